@@ -1,0 +1,101 @@
+"""Paged KV pools, GDN state slots and conv window lines: shapes, byte accounting, allocation, and a
+host-side page allocator. Index 0 of every pool is reserved as the inert null entry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import EngineConfig, ModelConfig
+
+
+class MemoryBudgetError(ValueError):
+    """A configuration whose memory plan does not fit the budget it was given."""
+
+
+def cache_shapes(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:
+    """ShapeDtypeStructs with the exact structure of the caches pytree."""
+    kv = jax.ShapeDtypeStruct((ecfg.total_pages, ecfg.page_size, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    slots = 1 + ecfg.max_num_seqs * ecfg.state_slots_per_seq
+    ssm = jax.ShapeDtypeStruct((slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                cfg.linear_value_head_dim), jnp.float32)
+    if ecfg.conv_per_state_slot:  # a window per state slot, advanced one token per step
+        conv = jax.ShapeDtypeStruct((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), dtype)
+    else:  # one sliding line per request, read at offset num_accepted - 1
+        line = (cfg.linear_conv_kernel_dim - 1) + ecfg.max_num_speculative_tokens
+        conv = jax.ShapeDtypeStruct((1 + ecfg.max_num_seqs, line, cfg.gdn_conv_dim), dtype)
+    return {
+        "kv": [(kv, kv) for _ in cfg.attention_layers],
+        "ssm": [ssm for _ in cfg.gdn_layers],
+        "conv": [conv for _ in cfg.gdn_layers],
+    }
+
+
+def _nbytes(s) -> int:
+    return int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+
+
+def cache_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict[str, int]:
+    """Bytes of each cache component, exactly as allocated."""
+    shapes = cache_shapes(cfg, ecfg, dtype)
+    return {
+        "kv_pages": sum(_nbytes(k) + _nbytes(v) for k, v in shapes["kv"]),
+        "gdn_state": sum(_nbytes(s) for s in shapes["ssm"]),
+        "conv_windows": sum(_nbytes(s) for s in shapes["conv"]),
+    }
+
+
+def params_bytes(params) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def device_memory_bytes() -> int | None:
+    """Bytes the default device can hold, where the backend reports it (GPUs do; CPU does not)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def check_budget(plan: dict[str, int], budget: int | None) -> None:
+    """Refuse a memory plan that exceeds the budget, stating needed vs available bytes."""
+    if budget is None:
+        return
+    needed = sum(plan.values())
+    if needed > budget:
+        parts = ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in plan.items())
+        raise MemoryBudgetError(
+            f"memory plan needs {needed} bytes ({needed / 2**30:.2f} GiB) but only {budget} bytes "
+            f"({budget / 2**30:.2f} GiB) are available ({parts}); lower max_num_seqs, max_model_len, "
+            f"the number of speculative tokens, or num_pages")
+
+
+def allocate(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:
+    """Zero-filled caches (zeros keep padded reads finite; jnp.empty is uninitialised from jax 0.11)."""
+    shapes = cache_shapes(cfg, ecfg, dtype)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+@dataclass
+class PageAllocator:
+    """Free list over page ids 1..num_pages-1 (page 0 is the null page)."""
+
+    num_pages: int
+
+    def __post_init__(self):
+        self._free = list(range(self.num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryBudgetError(f"need {n} KV pages but only {len(self._free)} are free "
+                                    f"(pool of {self.num_pages} pages)")
+        pages, self._free = self._free[-n:] if n else [], self._free[:len(self._free) - n]
+        return pages[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))

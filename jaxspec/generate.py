@@ -1,0 +1,247 @@
+"""`jaxspec.generate`: tokenize, admit requests into engine slots (continuous batching: requests join
+and leave between rounds), chunked prefill, decode (or speculative) rounds, stop handling, stats."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from jaxspec import sampling
+from jaxspec.engine import Row
+
+
+@dataclass
+class Request:
+    index: int  # position in the generate call; keys the request's random numbers
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    generated: list[int] = field(default_factory=list)
+    slot: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose KV / state is in the cache: the prompt plus all generated but the last."""
+        return len(self.prompt) + max(len(self.generated) - 1, 0)
+
+    def row(self, tokens: list[int], start_pos: int) -> Row:
+        return Row(slot=self.slot, tokens=tokens, start_pos=start_pos, request_id=self.index,
+                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+    def accept(self, tokens: list[int]) -> list[int]:
+        """Append emitted tokens up to a stop; returns the ones kept."""
+        kept = []
+        for t in tokens:
+            kept.append(int(t))
+            self.generated.append(int(t))
+            if int(t) in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.generated) >= self.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return kept
+
+
+@dataclass
+class GenerateStats:
+    num_prompts: int = 0
+    prompt_tokens: int = 0
+    tokens: int = 0  # generated tokens
+    steps: int = 0  # decode / verify steps
+    prefill_steps: int = 0
+    seconds: float = 0.0
+    # speculative counters (filled when speculative= is set)
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verify step, the bonus token included (1.0 without speculation)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=False)]
+
+    def summary(self) -> str:
+        line = (f"{self.tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_second:.1f} tok/s), "
+                f"{self.steps} steps, {self.prefill_steps} prefill chunks")
+        if self.verify_steps:
+            line += (f"; drafted {self.drafted}, accepted {self.accepted} "
+                     f"({100 * self.acceptance_rate:.1f}%), tau {self.tau:.2f}")
+        return line
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[list[int]]
+    texts: list[str] | None
+    stats: GenerateStats
+    finish_reasons: list[str]
+
+
+def _tokenize(model, prompts) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a str, a non-empty list of str or a list of token-id lists; got {prompts!r}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            ids = model.tokenizer.encode(p)
+        elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            ids = list(p)
+        else:
+            raise ValueError(f"prompts[{i}]={p!r} must be a str or a list of int token ids")
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] has token id {bad[0]} outside [0, {model.config.vocab_size})")
+        out.append(ids)
+    return out
+
+
+def _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids) -> list[Request]:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    sampling.validate_sampling(temperature, top_k, top_p)
+    ids = _tokenize(model, prompts)
+    stop = frozenset(model.eos_token_ids) | frozenset(stop_token_ids or ())
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > model.max_model_len:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens; with {max_new_tokens=} that exceeds "
+                             f"max_model_len={model.max_model_len}; shorten the prompt, lower "
+                             f"max_new_tokens or load with a larger max_model_len")
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(ids)
+    if len(seeds) != len(ids):
+        raise ValueError(f"seed has {len(seeds)} entries for {len(ids)} prompts")
+    return [Request(i, p, max_new_tokens, stop, float(temperature), int(top_k), float(top_p), int(s))
+            for i, (p, s) in enumerate(zip(ids, seeds, strict=False))]
+
+
+def _plain_events(engine, requests: list[Request], stats: GenerateStats) -> Iterator[tuple[int, list[int]]]:
+    """Continuous batching without speculation; yields (request index, new token ids)."""
+    pending, active = deque(requests), []
+    with release_on_exit(engine, active):
+        while pending or active:
+            while pending and engine.free_slots:
+                req = pending.popleft()
+                admit(engine, req, active, stats)
+                yield req.index, req.generated[:]
+            retire_finished(engine, active)
+            if not active:
+                continue
+            rows = [r.row([r.generated[-1]], r.num_cached) for r in active]
+            tokens = engine.decode(rows)
+            stats.steps += 1
+            for req, t in zip(active, tokens, strict=False):
+                yield req.index, req.accept([int(t)])
+
+
+def admit(engine, req: Request, active: list[Request], stats: GenerateStats) -> None:
+    """Give the request a slot, prefill its prompt and keep the first sampled token."""
+    req.slot = engine.acquire_slot()
+    active.append(req)
+    first = engine.prefill(req.row(req.prompt, 0))
+    stats.prefill_steps += -(-len(req.prompt) // engine.ecfg.prefill_chunk)
+    req.accept([first])
+
+
+def retire_finished(engine, active: list[Request], session=None) -> None:
+    for req in [r for r in active if r.finish_reason]:
+        active.remove(req)
+        _release(engine, req, session)
+
+
+def _release(engine, req: Request, session) -> None:
+    if session is not None:
+        session.release(req)
+    engine.release_slot(req.slot)
+
+
+@contextlib.contextmanager
+def release_on_exit(engine, active: list[Request], session=None):
+    """Free every slot still held when generation ends early (error, abandoned stream)."""
+    try:
+        yield
+    finally:
+        for req in active:
+            _release(engine, req, session)
+        active.clear()
+
+
+def _events(model, requests, speculative, stats):
+    if speculative is None:
+        return _plain_events(model.engine(0), requests, stats)
+    from jaxspec.spec.step import speculative_events
+
+    return speculative_events(model, requests, speculative, stats)
+
+
+def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | list[int] = 0, stop_token_ids=None, speculative=None,
+             stream: bool = False):
+    """Generate continuations for one prompt or many.
+
+    prompts: a str, a list of str, or a list of token-id lists. Returns a GenerateResult with
+    .token_ids (generated ids per prompt), .texts (when the model has a tokenizer) and .stats; with
+    stream=True returns an iterator of (request index, new token ids) in production order.
+    Requests beyond max_num_seqs wait for a free slot. Random numbers are keyed by (seed, request
+    index, position), so a prompt's sample does not depend on what else is in the batch.
+    """
+    requests = _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+    if speculative is not None:
+        from jaxspec.spec.config import check_speculative
+
+        check_speculative(speculative, model, len(requests))
+    stats = GenerateStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
+    if stream:
+        return _timed(_events(model, requests, speculative, stats), stats)
+    for _ in _timed(_events(model, requests, speculative, stats), stats):
+        pass
+    texts = None
+    if model.tokenizer is not None:
+        texts = [model.tokenizer.decode(r.generated) for r in requests]
+    return GenerateResult([r.generated for r in requests], texts, stats, [r.finish_reason for r in requests])
+
+
+def _timed(events, stats: GenerateStats):
+    start = time.perf_counter()
+    for index, new in events:
+        stats.tokens += len(new)
+        stats.seconds = time.perf_counter() - start
+        if new:
+            yield index, new
+    stats.seconds = time.perf_counter() - start
+
+
+def score(model, token_ids: list[int], *, incremental: bool = False):
+    """Float32 logits [len(token_ids), V] for a token-id sequence (position i predicts token i+1).
+    incremental=True runs the decode path token by token instead of chunked prefill."""
+    ids = _tokenize(model, [list(token_ids)])[0]
+    if len(ids) > model.max_model_len:
+        raise ValueError(f"{len(ids)} tokens exceed max_model_len={model.max_model_len}")
+    return model.engine(0).score(ids, incremental=incremental)

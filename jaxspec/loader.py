@@ -1,0 +1,158 @@
+"""`jaxspec.load` / `jaxspec.save` and the `Model` they return.
+
+A model comes from (a) a Hugging Face checkpoint directory (config.json + *.safetensors, optional
+tokenizer.json / generation_config.json), (b) a directory written by `jaxspec.save` (config.json +
+orbax params; faster to reload than re-converting), or (c) a built-in demo name ("demo",
+"demo:<family>").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import demo, ops, weights
+from jaxspec import tokenizer as tok
+from jaxspec.config import ConfigError, EngineConfig, ModelConfig
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+_SAVED_MARKER = "jaxspec.json"
+
+
+@dataclass
+class Model:
+    """A loaded model: frozen config, params pytree, tokenizer (or None) and engine settings."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: tok.Tokenizer | None
+    dtype: object
+    kernels: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    prefill_chunk: int = 64
+    page_size: int = 16
+    request_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
+    hf_config: dict = field(default_factory=dict)
+    _engines: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def engine_config(self, num_speculative_tokens: int = 0) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                            page_size=self.page_size, prefill_chunk=self.prefill_chunk,
+                            max_num_speculative_tokens=num_speculative_tokens,
+                            request_buckets=self.request_buckets)
+
+    def engine(self, num_speculative_tokens: int = 0):
+        """The engine for this k_max, created (and its caches allocated) on first use."""
+        return self.engine_for(self.engine_config(num_speculative_tokens))
+
+    def engine_for(self, ecfg: EngineConfig):
+        """The engine for ecfg; one set of caches is kept at a time."""
+        from jaxspec.engine import Engine
+
+        if ecfg not in self._engines:
+            self._engines.clear()
+            self._engines[ecfg] = Engine(self, ecfg)
+        return self._engines[ecfg]
+
+
+def _resolve_dtype(dtype: str, cfg: ModelConfig):
+    if dtype == "auto":
+        dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid; choose one of 'auto', {', '.join(map(repr, DTYPES))}")
+    return DTYPES[dtype]
+
+
+def _validate_sizes(max_model_len, max_num_seqs, cfg: ModelConfig) -> int:
+    if max_model_len is None:
+        max_model_len = min(cfg.max_position_embeddings, 4096)
+    if not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
+    return max_model_len
+
+
+def _read_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"{path} has no config.json; expected a Hugging Face checkpoint directory")
+    try:
+        return json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+def _load_demo(name: str, dtype: str):
+    family = name.split(":", 1)[1] if ":" in name else demo.DEFAULT_DEMO
+    cfg = demo.demo_config(family)
+    jdtype = _resolve_dtype(dtype, cfg)
+    params = demo.init_params(cfg, seed=0, dtype=jdtype)
+    return cfg, params, tok.ByteTokenizer(cfg.vocab_size), jdtype, demo.DEMO_HF_CONFIGS[family]
+
+
+def _load_dir(path: Path, dtype: str):
+    hf_config = _read_config(path)
+    cfg = ModelConfig.from_hf(hf_config)
+    eos = tok.eos_token_ids(path, hf_config)
+    if eos:
+        cfg = cfg.replace(eos_token_ids=tuple(eos))
+    jdtype = _resolve_dtype(dtype, cfg)
+    tokenizer = tok.load_tokenizer(path, hf_config)
+    if (path / _SAVED_MARKER).is_file():
+        saved = json.loads((path / _SAVED_MARKER).read_text())
+        params = weights.restore_params(path)
+        params = jax.tree_util.tree_map(lambda x: x.astype(jdtype) if x.dtype != jdtype else x, params)
+        if saved.get("tokenizer") == "byte":
+            tokenizer = tok.ByteTokenizer(cfg.vocab_size)
+    else:
+        params = weights.hf_to_params(cfg, weights.read_checkpoint_tensors(path), jnp.dtype(jdtype).name)
+    return cfg, params, tokenizer, jdtype, hf_config
+
+
+def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
+         max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16) -> Model:
+    """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo[:family]")."""
+    ops.resolve_kernels(kernels)  # validate early
+    name = str(path_or_name)
+    if name == "demo" or name.startswith("demo:"):
+        cfg, params, tokenizer, jdtype, hf_config = _load_demo(name, dtype)
+    else:
+        path = Path(path_or_name)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist or is not a directory; "
+                                    f"pass a checkpoint directory or 'demo[:family]'")
+        cfg, params, tokenizer, jdtype, hf_config = _load_dir(path, dtype)
+    max_model_len = _validate_sizes(max_model_len, max_num_seqs, cfg)
+    EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
+                 prefill_chunk=prefill_chunk)  # validates the sizes
+    return Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,
+                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
+                 page_size=page_size, hf_config=hf_config)
+
+
+def save(model: Model, directory: str | Path) -> Path:
+    """Write config.json, tokenizer files and the converted params (orbax) to directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config = dict(model.hf_config)
+    hf_config.setdefault("eos_token_id", list(model.config.eos_token_ids))
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    marker = {"format": "orbax", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None}
+    if isinstance(model.tokenizer, tok.ByteTokenizer):
+        marker["tokenizer"] = "byte"
+    elif isinstance(model.tokenizer, tok.HFTokenizer):
+        marker["tokenizer"] = "tokenizer.json"
+        model.tokenizer.save(directory)
+    weights.save_params(model.params, directory)
+    (directory / _SAVED_MARKER).write_text(json.dumps(marker))
+    return directory

@@ -1,0 +1,142 @@
+"""Building blocks shared by every family: norms, RoPE, MLP, MoE, attention and the GDN mixer.
+
+Pure functions over param dicts (layout in docs/architecture.md). Kernels are reached only through
+`jaxspec.ops`. Shapes: R requests, T tokens per request, H hidden.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import ops
+from jaxspec.config import ModelConfig
+
+F32 = jnp.float32
+
+
+def rms_norm(x, w, eps: float, zero_centered: bool):
+    """x [..., D], w [D]. Qwen3: w * norm(x) (cast before the scale, as HF); hybrids: norm(x) * (1 + w)."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if zero_centered:
+        return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+    return w * y.astype(x.dtype)
+
+
+def rms_norm_gated(x, z, w, eps: float):
+    """GDN output norm (not zero-centred): x, z [..., dv], w [dv] -> w * norm(x) * silu(z)."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = w * y.astype(w.dtype)
+    return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(w.dtype)
+
+
+def rope(x, positions, theta: float, rotary_dim: int):
+    """NeoX rotate-half RoPE on the first rotary_dim dims. x [R, T, n, D], positions [R, T] int32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))  # [rot/2]
+    freqs = positions.astype(F32)[..., None] * inv_freq  # [R, T, rot/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [R, T, 1, rot]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+
+def linear(x, w, b=None):
+    """x [..., in] @ w [in, out] (+ b [out])."""
+    y = x @ w
+    return y if b is None else y + b
+
+
+def mlp(p, x):
+    """SwiGLU: down(silu(x W_gate) * x W_up). x [N, H]."""
+    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+def moe(p, cfg: ModelConfig, x):
+    """Sparse MoE with softmax top-k router and optional sigmoid-gated shared expert. x [N, H].
+
+    Every expert is evaluated densely and weighted by its routing weight (zero when not chosen).
+    This is exact and shape-static; a grouped (ragged) expert matmul is a speed path for later.
+    """
+    router_probs = jax.nn.softmax((x @ p["router"]).astype(F32), axis=-1)  # [N, E]
+    top_w, top_i = jax.lax.top_k(router_probs, cfg.num_experts_per_tok)  # [N, k]
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    weights = jnp.zeros_like(router_probs).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_w)  # [N, E]
+    weights = weights.astype(x.dtype)
+    gate = jnp.einsum("nh,ehi->nei", x, p["gate"])
+    up = jnp.einsum("nh,ehi->nei", x, p["up"])
+    expert_out = jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"])  # [N, E, H]
+    out = jnp.einsum("ne,neh->nh", weights, expert_out)
+    if "shared" in p:
+        shared = mlp(p["shared"], x)
+        out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * shared
+    return out
+
+
+def feed_forward(layer, cfg: ModelConfig, x):
+    """x [R, T, H] through the layer's dense MLP or MoE."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = moe(layer["moe"], cfg, flat) if "moe" in layer else mlp(layer["mlp"], flat)
+    return out.reshape(x.shape)
+
+
+def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
+    """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages)."""
+    R, T, _ = x.shape
+    nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = linear(x, p["q"], p.get("q_bias"))
+    gate = None
+    if cfg.attn_output_gate:  # q_proj rows are interleaved per head: [q_h | gate_h]
+        q, gate = jnp.split(q.reshape(R, T, nH, 2 * D), 2, axis=-1)
+        gate = gate.reshape(R, T, nH * D)
+    q = q.reshape(R, T, nH, D)
+    k = linear(x, p["k"], p.get("k_bias")).reshape(R, T, nKV, D)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(R, T, nKV, D)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    positions = batch.start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T]
+    q = rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
+    k = rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    k_pages, v_pages = ops.write_kv(kv[0], kv[1], k, v, batch.block_tables, batch.start_pos, batch.num_valid)
+    o = ops.paged_attention(q, k_pages, v_pages, batch.block_tables, batch.start_pos, batch.num_valid,
+                            scale=D ** -0.5, kernels=kernels)
+    o = o.reshape(R, T, nH * D)
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate)
+    return linear(o, p["o"], p.get("o_bias")), (k_pages, v_pages)
+
+
+def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kernels: str):
+    """Gated DeltaNet mixer (reference/gdn.md §1.5). x [R, T, H]; ssm [S, HV, dk, dv] f32;
+    conv [N, (K-1)+k_max, conv_dim]. mode "verify" snapshots the state after every token,
+    "prefill" runs the chunked form and keeps only the final state."""
+    R, T, _ = x.shape
+    HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = x @ p["qkv"]  # [R, T, conv_dim], channels [q | k | v]
+    z = (x @ p["z"]).reshape(R, T, HV, dv)
+    b = x @ p["b"]  # [R, T, HV]
+    a = x @ p["a"]
+    has_state = batch.start_pos > 0
+    mixed, conv = ops.conv_update(mixed, conv, p["conv"], batch.conv_read, batch.conv_offset, batch.conv_write,
+                                  has_state, batch.num_valid, mode=mode, kernels=kernels)
+    q, k, v = jnp.split(mixed, [HK * dk, 2 * HK * dk], axis=-1)
+    q = ops.l2norm(q.reshape(R, T, HK, dk).astype(F32)) * dk ** -0.5
+    k = ops.l2norm(k.reshape(R, T, HK, dk).astype(F32))
+    v = v.reshape(R, T, HV, dv)
+    beta = jax.nn.sigmoid(b).astype(F32)
+    g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"].astype(F32))
+    read = batch.state_read
+    if mode == "verify":
+        steps = jnp.arange(T, dtype=jnp.int32)[None, :]
+        write = jnp.where(batch.state_write[:, None] > 0, batch.state_write[:, None] + steps, 0)  # [R, T]
+        o, ssm = ops.gdn_verify(q, k, v, g, beta, ssm, read, write, has_state, batch.num_valid, kernels=kernels)
+    else:
+        o, ssm = ops.gdn_prefill(q, k, v, g, beta, ssm, read, batch.state_write, has_state, batch.num_valid,
+                                 kernels=kernels)
+    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(R, T, HV * dv)
+    return o @ p["out"], ssm, conv

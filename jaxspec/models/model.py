@@ -1,0 +1,75 @@
+"""The decoder trunk shared by all families: embed -> layers (attention or GDN mixer, MLP or MoE) ->
+final norm -> logits. Which mixer and MLP a layer uses comes from the config (layer_types,
+mlp_kinds), so Qwen3, Qwen3-MoE, Qwen3.5 (dense / MoE) and Qwen3-Next share this one function.
+
+Models never jit: the engine jits `forward` at the edge and donates the caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import FULL, ModelConfig
+from jaxspec.models import layers
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """One step's inputs; every field is a traced array (docs/architecture.md)."""
+
+    tokens: jax.Array  # [R, T] int32
+    start_pos: jax.Array  # [R] int32, tokens already cached
+    num_valid: jax.Array  # [R] int32, real tokens in the row (0 = padding row)
+    block_tables: jax.Array  # [R, P] int32, KV page ids (0 = null page)
+    state_read: jax.Array  # [R] int32, GDN state slot holding the start state (0 = null)
+    state_write: jax.Array  # [R] int32, slot for the state after token 0; token t -> state_write + t (0 = null)
+    conv_read: jax.Array  # [R] int32, conv line holding the window (0 = null)
+    conv_offset: jax.Array  # [R] int32, window start inside the line (num_accepted - 1)
+    conv_write: jax.Array  # [R] int32, conv line receiving the new window (0 = null)
+
+
+def logits_from_hidden(params, cfg: ModelConfig, x):
+    """x [..., H] -> float32 logits [..., V] through lm_head (or the tied embedding)."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (x @ w).astype(jnp.float32)
+
+
+def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: dict, *,
+                  mode: str, kernels: str):
+    """One pre-norm decoder layer; returns (x, caches) with this layer's cache entry updated."""
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+    h = layers.rms_norm(x, layer["input_norm"], eps, zc)
+    if cfg.layer_types[i] == FULL:
+        j = cfg.attention_layers.index(i)
+        h, caches["kv"][j] = layers.attention(layer["attn"], cfg, h, batch, caches["kv"][j], kernels)
+    else:
+        j = cfg.gdn_layers.index(i)
+        h, caches["ssm"][j], caches["conv"][j] = layers.gated_delta_net(
+            layer["gdn"], cfg, h, batch, caches["ssm"][j], caches["conv"][j],
+            mode=mode, kernels=kernels)
+    x = x + h
+    h = layers.rms_norm(x, layer["post_norm"], eps, zc)
+    return x + layers.feed_forward(layer, cfg, h), caches
+
+
+def forward(params, cfg: ModelConfig, caches: dict, batch: StepBatch, *, mode: str, kernels: str,
+            last_only: bool):
+    """Run the trunk over batch.tokens [R, T].
+
+    Returns (logits, hidden, caches): logits [R, T, V] float32 (or [R, 1, V] at each row's last valid
+    token when last_only), hidden [R, T or 1, H] after the final norm (MTP / tap input), updated caches.
+    mode: "prefill" (chunked GDN, final state kept) or "verify" (GDN snapshot per token).
+    """
+    caches = {name: list(entries) for name, entries in caches.items()}
+    x = params["embed"][batch.tokens]  # [R, T, H]
+    for i, layer in enumerate(params["layers"]):
+        x, caches = decoder_layer(layer, cfg, i, x, batch, caches, mode=mode, kernels=kernels)
+    x = layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    if last_only:
+        last = jnp.maximum(batch.num_valid - 1, 0)  # [R]
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [R, 1, H]
+    return logits_from_hidden(params, cfg, x), x, caches

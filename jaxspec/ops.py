@@ -1,0 +1,57 @@
+"""The one place models call kernels: `kernels="xla"` runs the pure-JAX references, `"pallas"` the
+Pallas kernels (interpret mode on CPU, so CI covers them). `"auto"` means Pallas on GPU, XLA elsewhere.
+
+Every op keeps the reference semantics documented in pallas_kernels/*/reference.py.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.attention import api as attention_api
+from pallas_kernels.gated_delta import reference as gdn_ref
+
+KERNEL_CHOICES = ("auto", "xla", "pallas")
+
+
+def resolve_kernels(kernels: str) -> str:
+    """Map the user-facing choice to "xla" or "pallas"."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={kernels!r} is not valid; choose one of {KERNEL_CHOICES}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return kernels
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+l2norm = gdn_ref.l2norm
+
+
+def write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid):
+    """Scatter the step's K/V [R, T, nKV, D] into the page pools [N, page, nKV, D]."""
+    return attention_api.write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, start_pos, num_valid, *, scale: float, kernels: str):
+    """q [R, T, nH, D] over the paged cache, causal inside the span -> [R, T, nH, D]."""
+    return attention_api.paged_attention(q, k_pages, v_pages, block_tables, start_pos, num_valid, scale=scale,
+                                         implementation=kernels, interpret=_interpret())
+
+
+def gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):
+    """Recurrent GDN over T tokens with a state snapshot per token (decode is T = 1)."""
+    return gdn_ref.gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+
+
+def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):
+    """Chunked GDN prefill continuing from the pooled state; writes the final state only."""
+    return gdn_ref.gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+
+
+def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, *, mode: str, kernels: str):
+    """Causal depthwise conv + SiLU over x [R, T, C]: window from lines[read_row, offset:], new window
+    to lines[write_row]."""
+    return gdn_ref.conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, mode=mode)

@@ -1,0 +1,68 @@
+"""`SpeculativeConfig`: which drafter proposes tokens and how many per round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft_model", "replay")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings.
+
+    method: "ngram" (prompt lookup over each request's prompt + generated tokens, on device),
+      "draft_model" (a smaller jaxspec Model with the same vocabulary), or "replay" (a measurement
+      tool: proposes `replay_tokens[i]`, the reference continuation of prompt i, with each token
+      corrupted with probability 1 - replay_alpha, seeded; alpha = 1 accepts everything a greedy
+      target would, alpha = 0 nothing).
+    num_speculative_tokens: k, draft tokens per round (>= 1).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    draft_model: object | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    replay_tokens: tuple[tuple[int, ...], ...] | None = None
+    replay_alpha: float = 1.0
+    replay_seed: int = 0
+    max_num_speculative_tokens: int = 16
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is not a speculative method; valid: {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= self.max_num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer in "
+                             f"[1, {self.max_num_speculative_tokens}] (max_num_speculative_tokens)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
+                             f"{self.prompt_lookup_max}: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError("method='draft_model' needs draft_model=<a jaxspec Model>, e.g. jaxspec.load(path)")
+        if self.method == "replay":
+            if self.replay_tokens is None:
+                raise ValueError("method='replay' needs replay_tokens: one reference continuation per prompt")
+            if not 0.0 <= self.replay_alpha <= 1.0:
+                raise ValueError(f"replay_alpha={self.replay_alpha} must be in [0, 1]")
+            object.__setattr__(self, "replay_tokens", tuple(tuple(int(t) for t in r) for r in self.replay_tokens))
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+
+def check_speculative(spec, model, num_prompts: int | None = None) -> None:
+    """Validate a SpeculativeConfig against the target model (and the prompt count, for replay)."""
+    if not isinstance(spec, SpeculativeConfig):
+        raise ValueError(f"speculative={spec!r} must be a jaxspec.SpeculativeConfig or None")
+    if spec.method == "draft_model":
+        draft = spec.draft_model
+        if not hasattr(draft, "config") or not hasattr(draft, "params"):
+            raise ValueError(f"draft_model={draft!r} is not a jaxspec Model (load it with jaxspec.load)")
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
+                             f"vocab_size={model.config.vocab_size}; draft and target must share a vocabulary")
+    if spec.method == "replay" and num_prompts is not None and len(spec.replay_tokens) != num_prompts:
+        raise ValueError(f"replay_tokens has {len(spec.replay_tokens)} continuations for {num_prompts} prompts")

@@ -1,0 +1,187 @@
+"""Drafters. Each is a frozen (hashable, jit-static) dataclass with two traced methods used inside
+the round executable, plus host hooks for admitting and releasing requests:
+
+    propose(dparams, dstate, rnd, num_accepted) -> (drafts [R, k] int32, draft_probs [R, k, V] | None, dstate)
+    commit(dstate, rnd, emitted [R, 1+k], num_emitted [R]) -> dstate
+
+`rnd` is the RoundInputs of the round; per-slot device state is indexed by `rnd.seq_slot` (0 is the
+null slot that padding rows use). New drafters (MTP, tap-conditioned) implement the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import sampling
+from jaxspec.config import EngineConfig, ModelConfig
+from jaxspec.engine import state_indices
+from jaxspec.models.model import StepBatch, forward
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RoundInputs:
+    """Per-row inputs of one speculative round (all arrays, padded to the request bucket R)."""
+
+    last_token: jax.Array  # [R] int32, the committed token not yet in the cache (x0)
+    start_pos: jax.Array  # [R] int32, tokens in the cache (x0's position)
+    block_tables: jax.Array  # [R, P] int32 (target pages)
+    seq_slot: jax.Array  # [R] int32, 0 = padding row
+    request_id: jax.Array  # [R] int32
+    aux_block_tables: jax.Array  # [R, Pd] int32 (draft-model pages; [R, 1] zeros otherwise)
+
+
+def _set_rows(buf, slots, rows):
+    """Write rows [R, L] into buf [S+1, L] at slots [R] (padding rows hit the null row 0)."""
+    return buf.at[slots].set(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# n-gram prompt lookup, on device
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the request's last n tokens
+    (n from prompt_lookup_max down to prompt_lookup_min) in its prompt + generated tokens and
+    propose the k tokens that followed it. No match: propose the last token repeated (cheap to reject).
+    Device state: history [S+1, L] int32 and lengths [S+1] int32, indexed by slot."""
+
+    k: int
+    n_min: int
+    n_max: int
+    history_len: int
+
+    def init_state(self, num_slots: int) -> dict:
+        return {"history": jnp.zeros((num_slots, self.history_len), jnp.int32),
+                "length": jnp.zeros((num_slots,), jnp.int32)}
+
+    def admit(self, dstate: dict, slot: int, tokens: list[int]) -> dict:
+        row = np.zeros((self.history_len,), np.int32)
+        row[:len(tokens)] = tokens
+        return {"history": dstate["history"].at[slot].set(row), "length": dstate["length"].at[slot].set(len(tokens))}
+
+    def _match_end(self, h, L, n: int):
+        """Largest j < L-1 with h[j-n+1 .. j] == h[L-n .. L-1], or -1. h [Lh], L scalar."""
+        j = jnp.arange(self.history_len)
+        ok = (j >= n - 1) & (j < L - 1) & (L >= n)
+        for i in range(n):
+            ok &= h[jnp.clip(j - n + 1 + i, 0)] == h[jnp.clip(L - n + i, 0)]
+        return jnp.max(jnp.where(ok, j, -1))
+
+    def _propose_row(self, h, L):
+        best = jnp.int32(-1)
+        for n in range(self.n_max, self.n_min - 1, -1):  # longest n-gram first
+            best = jnp.where(best >= 0, best, self._match_end(h, L, n))
+        idx = best + 1 + jnp.arange(self.k)
+        last = h[jnp.maximum(L - 1, 0)]
+        return jnp.where((best >= 0) & (idx < L), h[jnp.clip(idx, 0, self.history_len - 1)], last)
+
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
+        h = dstate["history"][rnd.seq_slot]  # [R, L]
+        L = dstate["length"][rnd.seq_slot]  # [R]
+        return jax.vmap(self._propose_row)(h, L).astype(jnp.int32), None, dstate
+
+    def commit(self, dstate, rnd: RoundInputs, emitted, num_emitted):
+        """Append the emitted tokens [R, 1+k] (first num_emitted of each row) to the history."""
+        h = dstate["history"][rnd.seq_slot]  # [R, L]
+        L = dstate["length"][rnd.seq_slot]  # [R]
+        off = jnp.arange(self.history_len)[None, :] - L[:, None]  # [R, L]
+        put = (off >= 0) & (off < num_emitted[:, None])
+        h = jnp.where(put, jnp.take_along_axis(emitted, jnp.clip(off, 0, emitted.shape[1] - 1), axis=1), h)
+        return {"history": _set_rows(dstate["history"], rnd.seq_slot, h),
+                "length": dstate["length"].at[rnd.seq_slot].set(L + num_emitted)}
+
+
+# ---------------------------------------------------------------------------------------------
+# replay: a measurement tool with controlled acceptance
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplayDrafter:
+    """Proposes the request's reference continuation from its current generated length; each token
+    is replaced by a different random token with probability 1 - alpha (keyed by seed, request and
+    position). With the target's own greedy continuation as reference, alpha = 1 gives tau = k + 1
+    and alpha = 0 gives tau = 1. dparams: {"alpha": f32, "seed": u32} (traced, so every alpha shares
+    one executable). Device state: reference [S+1, L], ref_len [S+1], generated [S+1]."""
+
+    k: int
+    vocab_size: int
+    ref_len: int
+
+    def init_state(self, num_slots: int) -> dict:
+        return {"ref": jnp.zeros((num_slots, self.ref_len), jnp.int32),
+                "length": jnp.zeros((num_slots,), jnp.int32), "generated": jnp.zeros((num_slots,), jnp.int32)}
+
+    def admit(self, dstate: dict, slot: int, reference: list[int], generated: int) -> dict:
+        row = np.zeros((self.ref_len,), np.int32)
+        row[:min(len(reference), self.ref_len)] = reference[:self.ref_len]
+        return {"ref": dstate["ref"].at[slot].set(row), "length": dstate["length"].at[slot].set(len(reference)),
+                "generated": dstate["generated"].at[slot].set(generated)}
+
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
+        ref = dstate["ref"][rnd.seq_slot]  # [R, L]
+        g = dstate["generated"][rnd.seq_slot][:, None] + jnp.arange(self.k)[None, :]  # [R, k] indices
+        drafts = jnp.take_along_axis(ref, jnp.clip(g, 0, self.ref_len - 1), axis=1)
+        drafts = jnp.where(g < dstate["length"][rnd.seq_slot][:, None], drafts, 0)
+        positions = rnd.start_pos[:, None] + 1 + jnp.arange(self.k)[None, :]
+        seed = jnp.broadcast_to(dparams["seed"], positions.shape)
+        keys = sampling.token_key(seed, rnd.request_id[:, None], positions, stream=3)
+        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key)))(keys)
+        shift = jax.vmap(jax.vmap(lambda key: jax.random.randint(jax.random.fold_in(key, 1), (), 1,
+                                                                  self.vocab_size)))(keys)
+        corrupted = (drafts + shift) % self.vocab_size  # always a different token
+        return jnp.where(u < dparams["alpha"], drafts, corrupted).astype(jnp.int32), None, dstate
+
+    def commit(self, dstate, rnd: RoundInputs, emitted, num_emitted):
+        return {**dstate, "generated": dstate["generated"].at[rnd.seq_slot].add(num_emitted)}
+
+
+# ---------------------------------------------------------------------------------------------
+# a separate draft model with its own caches
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DraftModelDrafter:
+    """k greedy steps of a smaller model, one token per step, inside the round executable.
+
+    The draft engine has 1+k GDN state slots and one conv window per slot for each request: step t
+    reads the state after the previous token (step 0: the slot of the last accepted token, chosen
+    by num_accepted) and writes the state after its token to slot base + t. A (k+1)-th step feeds
+    d_k so that after a fully accepted round slot base + k is ready; so rollback after the verify is
+    only the next round's choice of slot, exactly as for the target."""
+
+    k: int
+    cfg: ModelConfig
+    ecfg: EngineConfig
+    kernels: str
+
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
+        params, caches = dparams, dstate["caches"]
+        na = num_accepted[rnd.seq_slot]
+        live = rnd.seq_slot > 0
+        idx = state_indices(rnd.seq_slot, na, self.ecfg.state_slots_per_seq, True)
+        base = idx["state_write"]
+        zeros = jnp.zeros_like(rnd.start_pos)
+
+        def draft_step(carry, t):
+            caches, token = carry
+            read = jnp.where(t == 0, idx["state_read"], jnp.where(live, base + t - 1, 0))
+            batch = StepBatch(tokens=token[:, None], start_pos=rnd.start_pos + t, num_valid=live.astype(jnp.int32),
+                              block_tables=rnd.aux_block_tables, state_read=read,
+                              state_write=jnp.where(live, base + t, 0), conv_read=read, conv_offset=zeros,
+                              conv_write=jnp.where(live, base + t, 0))
+            logits, _, caches = forward(params, self.cfg, caches, batch, mode="verify", kernels=self.kernels,
+                                        last_only=False)
+            nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return (caches, nxt), nxt
+
+        (caches, _), drafts = jax.lax.scan(draft_step, (caches, rnd.last_token), jnp.arange(self.k + 1))
+        return drafts[:self.k].T, None, {"caches": caches}
+
+    def commit(self, dstate, rnd: RoundInputs, emitted, num_emitted):
+        return dstate

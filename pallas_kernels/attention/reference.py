@@ -1,0 +1,97 @@
+"""Paged KV cache write and paged attention over a 1+k query span: pure-JAX reference.
+
+This is the numerical oracle for the Pallas kernel and the default path on CPU.
+
+Layout (docs/architecture.md): a KV pool is `[N, page_size, nKV, D]`; page 0 is the reserved
+null page. Token `t` of request row `r` sits at absolute position `p = start_pos[r] + t` and lives
+in page `block_tables[r, p // page_size]` at offset `p % page_size`. Tokens with
+`t >= num_valid[r]` (all tokens of a padding row, whose `num_valid` is 0) are inert: they write
+only the null page and produce zero attention output.
+"""
+
+import jax
+import jax.numpy as jnp
+
+# A finite "minus infinity": a fully masked row then stays finite instead of producing NaN.
+MASK_VALUE = -1e30
+
+
+def span_positions(
+    start_pos: jax.Array,  # [R] int32
+    num_valid: jax.Array,  # [R] int32
+    span: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Absolute positions `[R, T]` int32 of the span's tokens and their validity `[R, T]` bool."""
+    t = jnp.arange(span, dtype=jnp.int32)[None, :]
+    return start_pos[:, None] + t, t < num_valid[:, None]
+
+
+def write_kv(
+    k_pages: jax.Array,  # [N, page_size, nKV, D]
+    v_pages: jax.Array,  # [N, page_size, nKV, D]
+    k: jax.Array,  # [R, T, nKV, D]
+    v: jax.Array,  # [R, T, nKV, D]
+    block_tables: jax.Array,  # [R, P] int32
+    start_pos: jax.Array,  # [R] int32
+    num_valid: jax.Array,  # [R] int32
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter the span's keys/values into their pages; invalid tokens go to null page 0, offset 0.
+
+    Returns the updated `(k_pages, v_pages)`, same shapes and dtypes as the inputs (a functional
+    scatter: the engine donates the pools so XLA updates them in place).
+    """
+    page_size = k_pages.shape[1]
+    pos, valid = span_positions(start_pos, num_valid, k.shape[1])
+    # Invalid tokens may sit past the block table's end: clip before the lookup, then redirect.
+    slot = jnp.minimum(pos // page_size, block_tables.shape[1] - 1)
+    page = jnp.where(valid, jnp.take_along_axis(block_tables, slot, axis=1), 0)  # [R, T]
+    offset = jnp.where(valid, pos % page_size, 0)  # [R, T]
+    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype))
+    return k_pages, v_pages
+
+
+def gather_context(
+    pages: jax.Array,  # [N, page_size, nKV, D]
+    block_tables: jax.Array,  # [R, P] int32
+) -> jax.Array:
+    """Each request's pages laid end to end: `[R, P * page_size, nKV, D]`, key s at position s."""
+    r, p = block_tables.shape
+    gathered = pages[block_tables]  # [R, P, page_size, nKV, D]
+    return gathered.reshape(r, p * pages.shape[1], *pages.shape[2:])
+
+
+def paged_attention(
+    q: jax.Array,  # [R, T, nH, D]
+    k_pages: jax.Array,  # [N, page_size, nKV, D]
+    v_pages: jax.Array,  # [N, page_size, nKV, D]
+    block_tables: jax.Array,  # [R, P] int32
+    start_pos: jax.Array,  # [R] int32
+    num_valid: jax.Array,  # [R] int32
+    *,
+    scale: float,
+) -> jax.Array:
+    """Causal GQA attention of a T-token query span over a request's paged KV cache.
+
+    Query `t` of row `r` attends to keys at positions `0 .. start_pos[r] + t` (the pages must
+    already hold this step's keys, i.e. `write_kv` ran first). Query head `h` reads kv head
+    `h // (nH // nKV)`. Softmax in float32. Returns `[R, T, nH, D]` in `q.dtype`; tokens with
+    `t >= num_valid` get zeros.
+    """
+    r, t, nh, d = q.shape
+    nkv = k_pages.shape[2]
+    keys = gather_context(k_pages, block_tables)  # [R, S, nKV, D]
+    values = gather_context(v_pages, block_tables)  # [R, S, nKV, D]
+    qg = q.reshape(r, t, nkv, nh // nkv, d)  # [R, T, nKV, G, D]
+    hi = jax.lax.Precision.HIGHEST  # no TF32 on GPU: this is the oracle
+    logits = jnp.einsum("rtkgd,rskd->rkgts", qg, keys, precision=hi, preferred_element_type=jnp.float32)
+    pos, valid = span_positions(start_pos, num_valid, t)  # [R, T]
+    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    mask = (key_pos[None, None, :] <= pos[:, :, None]) & valid[:, :, None]  # [R, T, S]
+    mask = mask[:, None, None]  # [R, 1, 1, T, S]
+    logits = jnp.where(mask, logits * scale, MASK_VALUE)
+    probs = jnp.where(mask, jnp.exp(logits - logits.max(axis=-1, keepdims=True)), 0.0)
+    denom = probs.sum(axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)  # fully masked rows: zeros, not NaN
+    out = jnp.einsum("rkgts,rskd->rtkgd", probs, values.astype(jnp.float32), precision=hi)  # [R, T, nKV, G, D]
+    return out.reshape(r, t, nh, d).astype(q.dtype)

@@ -1,0 +1,29 @@
+"""Session-scoped fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.hf_fixtures import make_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: hf_checkpoint(kind, **options) -> directory of a tiny random HF checkpoint
+    (tests/hf_fixtures.make_hf_checkpoint), built once per (kind, options) for the session.
+    Treat the directory as read-only; copy it before modifying."""
+    cache: dict[str, Path] = {}
+
+    def get(kind: str, **options: Any) -> Path:
+        key = json.dumps([kind, options], sort_keys=True)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"hf_{kind}")
+            cache[key] = make_hf_checkpoint(kind, directory, **options)
+        return cache[key]
+
+    return get

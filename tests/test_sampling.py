@@ -1,0 +1,203 @@
+"""Invariants of jaxspec.sampling: greedy = argmax, top-k / top-p support, keyed reproducibility."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from jaxspec.sampling import (
+    SamplingParams,
+    make_sampling_params,
+    sample,
+    token_key,
+    validate_sampling,
+    warp_probs,
+)
+
+warp_jit = jax.jit(warp_probs)
+sample_jit = jax.jit(sample)
+
+# Fixed shapes for the property tests so hypothesis examples reuse one compilation.
+R, T, V = 3, 2, 12
+POSITIONS = jnp.broadcast_to(jnp.arange(100, 100 + T, dtype=jnp.int32), (R, T))
+
+# Logits drawn from a small grid of values as well as continuous ones, so ties occur often.
+logit_values = st.one_of(
+    st.integers(-3, 3).map(float),
+    st.floats(-8, 8, allow_nan=False, width=32),
+)
+logits_strategy = hnp.arrays(np.float32, (R, T, V), elements=logit_values)
+
+
+def _params(temperature, top_k=0, top_p=1.0, seed=0, request_id=None) -> SamplingParams:
+    return make_sampling_params(R, temperature, top_k, top_p, seed, request_id)
+
+
+def _scaled(logits, temperature):
+    """The temperature-scaled logits exactly as float32 computes them: [R, T, V]."""
+    return np.asarray(logits, np.float32) / np.asarray(temperature, np.float32)[:, None, None]
+
+
+def _top_k_sets(scaled, top_k):
+    """Boolean [R, T, V]: the k largest scaled logits, ties broken towards the lower token id."""
+    keep = np.zeros(scaled.shape, bool)
+    for r in range(scaled.shape[0]):
+        for t in range(scaled.shape[1]):
+            order = np.argsort(-scaled[r, t], kind="stable")
+            k = top_k[r] if top_k[r] > 0 else scaled.shape[-1]
+            keep[r, t, order[:k]] = True
+    return keep
+
+
+def test_greedy_is_first_argmax():
+    logits = jax.random.normal(jax.random.key(0), (R, T, V))
+    logits = logits.at[0, 0, 7].set(9.0).at[0, 0, 3].set(9.0)  # a tie: the first index wins
+    params = _params(0.0, top_k=[0, 2, 0], top_p=[1.0, 1.0, 0.5], seed=[1, 2, 3])
+    tokens = sample_jit(logits, params, POSITIONS)
+    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+    assert tokens[0, 0] == 3
+    probs = warp_jit(logits, params)
+    np.testing.assert_array_equal(probs, jax.nn.one_hot(tokens, V))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=logits_strategy,
+    temperature=st.lists(st.floats(0.0625, 4.0, width=32), min_size=R, max_size=R),
+    top_k=st.lists(st.integers(0, V + 2), min_size=R, max_size=R),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_top_k_never_emits_outside_k_largest(logits, temperature, top_k, seed):
+    params = _params(temperature, top_k=top_k, seed=seed)
+    allowed = _top_k_sets(_scaled(logits, temperature), top_k)
+    probs = np.asarray(warp_jit(jnp.asarray(logits), params))
+    assert not np.any(probs[~allowed] > 0), "mass outside the k largest"
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    tokens = np.asarray(sample_jit(jnp.asarray(logits), params, POSITIONS))
+    assert np.take_along_axis(allowed, tokens[..., None], -1).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=logits_strategy,
+    temperature=st.lists(st.floats(0.0625, 4.0, width=32), min_size=R, max_size=R),
+    top_k=st.lists(st.integers(0, V), min_size=R, max_size=R),
+    top_p=st.lists(st.floats(0.015625, 1.0, width=32), min_size=R, max_size=R),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_top_p_never_emits_outside_nucleus(logits, temperature, top_k, top_p, seed):
+    params = _params(temperature, top_k=top_k, top_p=top_p, seed=seed)
+    scaled = _scaled(logits, temperature).astype(np.float64)
+    in_k = _top_k_sets(scaled.astype(np.float32), top_k)
+    probs64 = np.exp(scaled - scaled.max(-1, keepdims=True)) * in_k
+    probs64 /= probs64.sum(-1, keepdims=True)
+    nucleus = np.zeros_like(in_k)
+    for r in range(R):
+        for t in range(T):
+            order = np.argsort(-scaled[r, t].astype(np.float32), kind="stable")
+            p_sorted = probs64[r, t, order]
+            before = np.cumsum(p_sorted) - p_sorted
+            # float32 cannot decide a boundary closer than its rounding: skip those examples.
+            assume(top_p[r] >= 1 or np.all(np.abs(before - top_p[r]) > 1e-4))
+            nucleus[r, t, order] = (before < top_p[r]) & (p_sorted > 0) | (top_p[r] >= 1)
+            nucleus[r, t, order[0]] = True  # the top token is always kept
+    nucleus &= in_k
+    probs = np.asarray(warp_jit(jnp.asarray(logits), params))
+    assert not np.any(probs[~nucleus] > 0), "mass outside the nucleus"
+    top = np.argsort(-scaled.astype(np.float32), axis=-1, kind="stable")[..., :1]
+    assert np.all(np.take_along_axis(probs, top, -1) > 0), "top token dropped"
+    tokens = np.asarray(sample_jit(jnp.asarray(logits), params, POSITIONS))
+    assert np.take_along_axis(nucleus, tokens[..., None], -1).all()
+
+
+def test_fixed_seed_reproduces_and_seed_matters():
+    logits = jax.random.normal(jax.random.key(1), (R, T, V))
+    params = _params(2.0, top_k=[0, 9, 0], top_p=[1.0, 1.0, 0.95], seed=1234)
+    tokens = np.stack([sample_jit(logits, params, POSITIONS + 2 * i) for i in range(8)])
+    again = np.stack([sample_jit(logits, params, POSITIONS + 2 * i) for i in range(8)])
+    np.testing.assert_array_equal(tokens, again)
+    np.testing.assert_array_equal(tokens[0], sample(logits, params, POSITIONS))  # jit == eager
+    other = dataclasses.replace(params, seed=params.seed + 1)
+    assert np.any(tokens[0] != sample_jit(logits, other, POSITIONS))
+    assert len(np.unique(tokens)) > 3  # positions feed the key: not one repeated draw
+
+
+def test_request_sample_independent_of_batch_and_row():
+    """A request's tokens depend on (seed, request_id, position), not on its batch or row."""
+    key = jax.random.key(2)
+    mine = jax.random.normal(key, (1, T, V))
+    others = jax.random.normal(jax.random.fold_in(key, 1), (R, T, V))
+    mine_pos = jnp.arange(17, 17 + T, dtype=jnp.int32)[None]
+    # One filtered and one unfiltered request (exercises both branches of the sort skip).
+    for settings_ in [dict(temperature=0.8, top_k=6, top_p=0.9), dict(temperature=1.3)]:
+        mine_p = make_sampling_params(1, seed=99, request_id=[5], **settings_)
+        results = []
+        for row, other_p in [
+            (0, make_sampling_params(2, temperature=[0.0, 2.0], top_k=[0, 3], seed=7)),
+            (2, make_sampling_params(2, temperature=1.0, seed=[8, 9], request_id=[0, 1])),
+            (1, make_sampling_params(2, temperature=0.7, seed=1, request_id=[6, 7])),
+        ]:
+            rows = [0, 1]
+            rows.insert(row, "mine")
+
+            def stack(mine_x, other_x, rows=rows):
+                return jnp.concatenate([mine_x if i == "mine" else other_x[i:i + 1] for i in rows])
+
+            params = jax.tree.map(stack, mine_p, other_p)
+            tokens = sample_jit(stack(mine, others), params, stack(mine_pos, POSITIONS))
+            probs = warp_jit(stack(mine, others), params)
+            results.append((np.asarray(tokens[row]), np.asarray(probs[row])))
+        for tokens, probs in results[1:]:
+            np.testing.assert_array_equal(tokens, results[0][0])
+            np.testing.assert_array_equal(probs, results[0][1])
+
+
+def test_token_key_depends_on_each_coordinate():
+    def bits(*args):
+        return np.asarray(jax.random.key_data(token_key(*args)))
+
+    base = bits(1, 2, 3, 0)
+    for args in [(2, 2, 3, 0), (1, 3, 3, 0), (1, 2, 4, 0), (1, 2, 3, 1)]:
+        assert not np.array_equal(base, bits(*args))
+    batched = token_key(jnp.uint32(1), jnp.array([[2], [5]]), jnp.array([[3, 4]]), 0)
+    assert batched.shape == (2, 2)
+    np.testing.assert_array_equal(jax.random.key_data(batched[0, 0]), base)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(temperature=-0.5), "temperature=-0.5"),
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(temperature=[1.0, -1.0]), "temperature=-1.0"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(top_k=2.5), "top_k=2.5"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(top_p=[0.5, -0.1]), "top_p=-0.1"),
+    ],
+)
+def test_bad_values_raise_naming_them(kwargs, name):
+    full = dict(temperature=1.0, top_k=0, top_p=1.0) | kwargs
+    with pytest.raises(ValueError, match=name):
+        validate_sampling(**full)
+    with pytest.raises(ValueError, match=name):
+        make_sampling_params(2, **kwargs)
+
+
+def test_make_sampling_params_shapes_and_bad_lengths():
+    params = make_sampling_params(4, temperature=[0.0, 0.5, 1.0, 2.0], top_k=5, seed=3)
+    assert params.temperature.dtype == jnp.float32 and params.top_k.dtype == jnp.int32
+    assert params.seed.dtype == jnp.uint32 and params.request_id.dtype == jnp.int32
+    np.testing.assert_array_equal(params.request_id, np.arange(4))
+    np.testing.assert_array_equal(params.top_k, [5] * 4)
+    assert len(jax.tree.leaves(params)) == 5  # a pytree of arrays: jit sees no static values
+    with pytest.raises(ValueError, match="temperature has 2 entries"):
+        make_sampling_params(3, temperature=[1.0, 1.0])
+    with pytest.raises(ValueError, match="seed=-1"):
+        make_sampling_params(1, seed=-1)
