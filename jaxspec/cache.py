@@ -3,6 +3,7 @@ host-side page allocator. Index 0 of every pool is reserved as the inert null en
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -71,10 +72,17 @@ def check_budget(plan: dict[str, int], budget: int | None) -> None:
             f"the number of speculative tokens, or num_pages")
 
 
+@functools.cache
+def allocate_executable(cfg: ModelConfig, ecfg: EngineConfig, dtype):
+    """One jitted function producing every cache buffer (so allocation is a single executable that
+    precompile can cache, not one eager op per shape)."""
+    shapes = cache_shapes(cfg, ecfg, dtype)
+    return jax.jit(lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+
 def allocate(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:
     """Zero-filled caches (zeros keep padded reads finite; jnp.empty is uninitialised from jax 0.11)."""
-    shapes = cache_shapes(cfg, ecfg, dtype)
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return allocate_executable(cfg, ecfg, jnp.dtype(dtype))()
 
 
 @dataclass

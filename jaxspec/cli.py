@@ -4,17 +4,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+METHODS = ("ngram", "draft_model", "replay")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text!r} must be an integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name}={value} must be >= 1")
+        return value
+
+    return parse
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
                    help="HF checkpoint directory, a jaxspec.save directory, or demo[:family] (default: demo)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="parameter and activation dtype (auto = the checkpoint's)")
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"],
                    help="kernel implementation (auto = Pallas on GPU, XLA reference elsewhere)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + generation, in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-model-len", type=_positive("max-model-len"), default=None,
+                   help="longest prompt + generation, in tokens")
+    p.add_argument("--max-num-seqs", type=_positive("max-num-seqs"), default=8, help="requests decoded together")
+    p.add_argument("--prefill-chunk", type=_positive("prefill-chunk"), default=64, help="prefill chunk (tokens)")
+    p.add_argument("--k-mode", default="per_k", choices=["per_k", "pad_to_max"],
+                   help="one verify executable per k, or every k padded to the largest")
+    p.add_argument("--cache-dir", default="default",
+                   help="persistent compilation cache (default: $JAXSPEC_CACHE_DIR or the user cache dir)")
+    p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,27 +48,146 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate a continuation and print it with a one-line stats summary.")
     _add_model_flags(gen)
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched)")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--max-new-tokens", type=_positive("max-new-tokens"), default=64,
+                     help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--speculative", choices=METHODS, default=None, help="speculative decoding method")
+    gen.add_argument("--k", type=_positive("k"), default=3, help="draft tokens per round (with --speculative)")
+    gen.add_argument("--draft-model", default=None, help="draft model path or demo name (--speculative draft_model)")
+    gen.add_argument("--replay-alpha", type=float, default=0.8,
+                     help="replay drafter acceptance control in [0, 1] (--speculative replay)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    gen.add_argument("--verbose", action="store_true",
+                     help="report start-up: load time, time to first token, compilations vs cache loads")
+    pre = sub.add_parser("precompile", help="compile the bucket table into the persistent cache",
+                         description="AOT-compile every executable that generate can use for these settings "
+                                     "and store it in the persistent compilation cache.")
+    _add_model_flags(pre)
+    pre.add_argument("--k", type=_positive("k"), action="append", default=[],
+                     help="speculative k to compile (repeatable); none = plain decoding only")
+    pre.add_argument("--method", choices=METHODS, action="append", default=[],
+                     help="drafter to compile for (repeatable; default ngram)")
+    pre.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
+    info = sub.add_parser("info", help="print a model's config, size, memory plan and bucket table")
+    _add_model_flags(info)
+    info.add_argument("--k", type=_positive("k"), action="append", default=[], help="speculative k (repeatable)")
     return parser
+
+
+def _load(args, path=None, k_values=()):
+    import jaxspec
+
+    max_k = max(k_values) if args.k_mode == "pad_to_max" and k_values else 0
+    return jaxspec.load(path or args.model, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
+                        max_num_speculative_tokens=max_k, k_mode=args.k_mode,
+                        cache_dir=None if args.no_cache else args.cache_dir)
+
+
+def _speculative(args, model, prompts):
+    import jaxspec
+
+    if args.speculative is None:
+        return None
+    if args.speculative == "draft_model":
+        if not args.draft_model:
+            raise ValueError("--speculative draft_model needs --draft-model PATH")
+        return jaxspec.SpeculativeConfig("draft_model", args.k, draft_model=_load(args, args.draft_model, (args.k,)))
+    if args.speculative == "replay":  # reference = the target's own greedy continuation
+        ref = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens + args.k + 1).token_ids
+        return jaxspec.SpeculativeConfig("replay", args.k, replay_tokens=ref, replay_alpha=args.replay_alpha)
+    return jaxspec.SpeculativeConfig("ngram", args.k)
 
 
 def _cmd_generate(args) -> int:
     import jaxspec
+    from jaxspec.compile import count_compiles
 
-    model = jaxspec.load(args.model, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
-                         max_num_seqs=args.max_num_seqs)
-    result = jaxspec.generate(model, list(args.prompt), max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for i, ids in enumerate(result.token_ids):
-        text = result.texts[i] if result.texts else " ".join(map(str, ids))
-        if len(result.token_ids) > 1:
+    start = time.perf_counter()
+    with count_compiles() as compiles:
+        model = _load(args, k_values=(args.k,) if args.speculative else ())
+        loaded = time.perf_counter()
+        prompts = list(args.prompt)
+        spec = _speculative(args, model, prompts)
+        stream = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=spec, stream=True)
+        outputs, first_token = [[] for _ in prompts], None
+        for index, new in stream:
+            first_token = first_token or time.perf_counter()
+            outputs[index].extend(new)
+            if args.stream and model.tokenizer is not None:
+                print(model.tokenizer.decode(new), end="", flush=True)
+    if args.stream:
+        print()
+    for i, ids in enumerate(outputs):
+        text = model.tokenizer.decode(ids) if model.tokenizer is not None else " ".join(map(str, ids))
+        if len(outputs) > 1:
             print(f"--- [{i}]")
-        print(args.prompt[i] + text)
-    print(f"[jaxspec] {result.stats.summary()}", file=sys.stderr)
+        print(prompts[i] + text)
+    stats = getattr(stream, "stats", None)
+    if stats is not None:
+        print(f"[jaxspec] {stats.summary()}", file=sys.stderr)
+        if stats.verify_steps:
+            by_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+            print(f"[jaxspec] acceptance by draft position: {by_pos}", file=sys.stderr)
+    if args.verbose:
+        cache = "warm" if compiles.backend_compiles and compiles.compiles == 0 else "cold"
+        print(f"[jaxspec] start-up: load {loaded - start:.2f}s, time to first token "
+              f"{(first_token or time.perf_counter()) - start:.2f}s; {compiles.compiles} XLA compilations, "
+              f"{compiles.cache_hits} persistent-cache loads ({cache} cache)", file=sys.stderr)
+    return 0
+
+
+def _memory_lines(model, k_values) -> list[str]:
+    from jaxspec.engine import memory_plan
+
+    lines = []
+    for k in sorted({max(k, model.max_num_speculative_tokens) for k in (0, *k_values)}):
+        plan = memory_plan(model, model.engine_config(k))
+        parts = ", ".join(f"{name} {b / 2**20:.2f} MiB" for name, b in plan.items())
+        lines.append(f"  caches k_max={k}: {parts}; total {sum(plan.values()) / 2**20:.2f} MiB")
+    return lines
+
+
+def _cmd_precompile(args) -> int:
+    from jaxspec import compile as jc
+
+    model = _load(args, k_values=args.k)
+    methods = tuple(dict.fromkeys(args.method or ["ngram"]))
+    draft = None
+    if "draft_model" in methods:
+        if not args.draft_model:
+            raise ValueError("--method draft_model needs --draft-model PATH")
+        draft = _load(args, args.draft_model, args.k)
+    table = jc.bucket_table(model, k_values=args.k, methods=methods if args.k else (), draft_model=draft)
+    print("bucket table:\n" + jc.print_table(table))
+    print("memory plan:\n" + "\n".join(_memory_lines(model, args.k)))
+    jc.check_table_memory(model, table, draft)
+    reports = jc.precompile(model, table, draft_model=draft)
+    print(jc.format_reports(reports))
+    hits = sum(r.cache in ("hit", "memory") for r in reports)
+    exe = sum(r.memory_bytes or 0 for r in reports)
+    print(f"{len(reports)} executables, {hits} served from the cache, {len(reports) - hits} compiled; "
+          f"executables {exe / 2**20:.2f} MiB")
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from jaxspec import compile as jc
+    from jaxspec.cache import params_bytes
+
+    model = _load(args, k_values=args.k)
+    cfg = model.config
+    count = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(model.params))
+    print(f"model: {args.model} ({cfg.model_type}, family {cfg.family})")
+    for name, value in sorted(vars(cfg).items()):
+        print(f"  {name}: {value}")
+    print(f"parameters: {count:,} ({params_bytes(model.params) / 2**20:.2f} MiB as {model.dtype.__name__})")
+    print("memory plan:\n" + "\n".join(_memory_lines(model, args.k)))
+    print("bucket table:\n" + jc.print_table(jc.bucket_table(model, k_values=args.k, methods=("ngram",))))
     return 0
 
 
@@ -53,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"generate": _cmd_generate}[args.command](args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+        return {"generate": _cmd_generate, "precompile": _cmd_precompile, "info": _cmd_info}[args.command](args)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
         print(f"jaxspec {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,20 +1,25 @@
-"""Compilation accounting through jax.monitoring (public API only).
+"""Executable caching: compile accounting, the persistent XLA compilation cache, the bucket table
+and ahead-of-time precompilation.
 
 `count_compiles()` counts, while active, the jaxpr traces, the XLA backend compiles (each event is a
-compile or a persistent-cache load) and the persistent-cache hits. Steady-state serving must show
-zero backend compiles and zero traces.
+compile or a persistent-cache load) and the persistent-cache hits and misses (jax.monitoring, public
+API only). Steady-state serving must show zero backend compiles and zero traces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax.monitoring as monitoring
 
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _BACKEND = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_CACHE_MISS = "/jax/compilation_cache/cache_misses"
 
 
 @dataclass
@@ -22,6 +27,7 @@ class CompileCount:
     traces: int = 0
     backend_compiles: int = 0  # XLA compiles plus persistent-cache loads
     cache_hits: int = 0
+    cache_misses: int = 0
     compile_seconds: float = 0.0
 
     @property
@@ -44,9 +50,11 @@ def _on_duration(name: str, seconds: float, **_) -> None:
 
 
 def _on_event(name: str, **_) -> None:
-    if name == _CACHE_HIT:
-        for count in _active:
+    for count in _active:
+        if name == _CACHE_HIT:
             count.cache_hits += 1
+        elif name == _CACHE_MISS:
+            count.cache_misses += 1
 
 
 def _register() -> None:
@@ -67,3 +75,326 @@ def count_compiles():
         yield count
     finally:
         _active.remove(count)
+
+
+# ------------------------------------------------------------------------------------------------
+# The persistent compilation cache
+# ------------------------------------------------------------------------------------------------
+
+CACHE_ENV = "JAXSPEC_CACHE_DIR"
+_enabled_dir: list[str | None] = [None]
+
+
+def default_cache_dir() -> Path:
+    """$JAXSPEC_CACHE_DIR, else the platform's per-user cache dir (XDG on Linux) + jaxspec/xla."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    elif os.name == "nt":
+        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "jaxspec" / "xla"
+
+
+def check_cache_dir(cache_dir: str | os.PathLike) -> Path:
+    """Create cache_dir if needed and prove it is writable; raise ValueError naming it otherwise.
+    Nothing is left behind on failure."""
+    path = Path(cache_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache_dir={str(path)!r} exists and is not a directory")
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".jaxspec-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if created and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise ValueError(f"cache_dir={str(path)!r} is not writable ({e.strerror}); pass a writable "
+                         f"directory, set {CACHE_ENV}, or disable the cache (cache_dir=None / --no-cache)") from None
+    return path
+
+
+def enable_persistent_cache(cache_dir: str | os.PathLike | None = "default") -> Path | None:
+    """Turn on JAX's persistent compilation cache in cache_dir ("default" = default_cache_dir()),
+    caching every executable however small (min compile time 0, min entry size -1). None turns
+    it off. Returns the directory in use."""
+    import jax
+
+    if cache_dir is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        _enabled_dir[0] = None
+        return None
+    path = check_cache_dir(default_cache_dir() if cache_dir == "default" else cache_dir)
+    if _enabled_dir[0] == str(path):
+        return path
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    try:  # the cache object is created once per process; re-point it at the new directory
+        from jax.experimental.compilation_cache import compilation_cache as cc
+
+        cc.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    _enabled_dir[0] = str(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# The bucket table: every executable generate can use for a model's settings
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bucket:
+    """One executable. Key = (num_tokens, num_reqs, uniform query length), as vLLM's BatchDescriptor;
+    engine_k is the k_max its caches are sized for."""
+
+    name: str  # "prefill" | "decode" | "verify[<method>]" | "draft_prefill"
+    num_reqs: int
+    query_len: int
+    engine_k: int = 0
+    k: int = 0
+    method: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_reqs * self.query_len
+
+    def describe(self) -> str:
+        if not self.num_reqs:  # cache allocation
+            return f"caches k_max={self.engine_k}"
+        if not self.query_len:  # a drafter's per-request state update at admission
+            return f"one slot k={self.k}"
+        k = f" k={self.k}" if self.k else ""
+        return f"R={self.num_reqs} T={self.query_len} tokens={self.num_tokens}{k} (caches k_max={self.engine_k})"
+
+
+def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None) -> list[Bucket]:
+    """The exact set of executables generate uses for these settings: plain prefill + decode per
+    request bucket, and for each speculative k (per_k) or the padded maximum (pad_to_max) one
+    verify round per method and request bucket, plus the draft model's prefill."""
+    buckets = model.engine_config(0).request_buckets
+    chunk = model.prefill_chunk
+    k_values = tuple(sorted(set(k_values)))
+    table: list[Bucket] = []
+
+    def engine_k(k):
+        return max(k, model.max_num_speculative_tokens)
+
+    def add(entry):
+        if entry not in table:
+            table.append(entry)
+
+    add(Bucket("allocate", 0, 0, engine_k(0)))
+    add(Bucket("prefill", 1, chunk, engine_k(0)))
+    for r in buckets:
+        add(Bucket("decode", r, 1, engine_k(0)))
+    run_ks = k_values if model.k_mode == "per_k" else ((model.max_num_speculative_tokens,) if k_values else ())
+    for k in run_ks:
+        add(Bucket("allocate", 0, 0, engine_k(k)))
+        add(Bucket("prefill", 1, chunk, engine_k(k)))
+        for method in methods:
+            for r in buckets:
+                add(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method))
+            if method == "draft_model":
+                add(Bucket("draft_allocate", 0, 0, k, k, method))
+                add(Bucket("draft_prefill", 1, draft_model.prefill_chunk, k, k, method))
+            else:
+                add(Bucket(f"admit[{method}]", 1, 0, engine_k(k), k, method))
+    return table
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def print_table(table: list[Bucket]) -> str:
+    return format_table([[b.name, b.describe()] for b in table], ["executable", "bucket"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Ahead-of-time precompilation of the table
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class CompileReport:
+    bucket: Bucket
+    seconds: float
+    cache: str  # "hit" | "miss" | "memory" (already compiled in this process) | "off"
+    memory_bytes: int | None  # temp + generated code, where memory_analysis() reports it
+
+
+def _shape(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _step_inputs(ecfg, R: int, T: int) -> dict:
+    import jax.numpy as jnp
+
+    i32 = jnp.int32
+    return dict(tokens=_shape((R, T), i32), start_pos=_shape((R,), i32), num_valid=_shape((R,), i32),
+                block_tables=_shape((R, ecfg.pages_per_seq), i32), seq_slot=_shape((R,), i32))
+
+
+def _sampling(R: int):
+    import jax.numpy as jnp
+
+    from jaxspec.sampling import SamplingParams
+
+    return SamplingParams(temperature=_shape((R,), jnp.float32), top_k=_shape((R,), jnp.int32),
+                          top_p=_shape((R,), jnp.float32), seed=_shape((R,), jnp.uint32),
+                          request_id=_shape((R,), jnp.int32))
+
+
+def _engine_args(model, ecfg):
+    """(params, cache shapes, num_accepted shape) exactly as an Engine passes them."""
+    import jax.numpy as jnp
+
+    from jaxspec import cache
+
+    caches = cache.cache_shapes(model.config, ecfg, model.dtype)
+    return model.params, caches, _shape((ecfg.max_num_seqs + 1,), jnp.int32)
+
+
+def _lower_step(model, ecfg, R: int, T: int, mode: str, last_only: bool):
+    from jaxspec import ops
+    from jaxspec.engine import step_executable
+
+    fn = step_executable(model.config, ecfg, ops.resolve_kernels(model.kernels))
+    return fn.lower(*_engine_args(model, ecfg), _step_inputs(ecfg, R, T), _sampling(R), mode=mode,
+                    last_only=last_only)
+
+
+def _lower_round(model, ecfg, bucket: Bucket, draft_model):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import cache, ops
+    from jaxspec.spec.drafters import RoundInputs
+    from jaxspec.spec.session import make_drafter
+    from jaxspec.spec.step import round_executable
+
+    drafter = make_drafter(bucket.method, model, ecfg, bucket.k, draft_model=draft_model)
+    num_slots, R, i32 = ecfg.max_num_seqs + 1, bucket.num_reqs, jnp.int32
+    if bucket.method == "draft_model":
+        dparams = draft_model.params
+        dstate = {"caches": cache.cache_shapes(draft_model.config, drafter.ecfg, draft_model.dtype)}
+        aux = drafter.ecfg.pages_per_seq
+    else:
+        dparams = {"alpha": _shape((), jnp.float32), "seed": _shape((), jnp.uint32)} if bucket.method == "replay" \
+            else None
+        dstate = jax.eval_shape(lambda: drafter.init_state(num_slots))
+        aux = 1
+    rnd = RoundInputs(last_token=_shape((R,), i32), start_pos=_shape((R,), i32),
+                      block_tables=_shape((R, ecfg.pages_per_seq), i32), seq_slot=_shape((R,), i32),
+                      request_id=_shape((R,), i32), num_drafts=_shape((R,), i32),
+                      aux_block_tables=_shape((R, aux), i32))
+    fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels))
+    params, caches, na = _engine_args(model, ecfg)
+    return fn.lower(params, caches, na, dparams, dstate, rnd, _sampling(R))
+
+
+def lower_bucket(model, bucket: Bucket, draft_model=None):
+    """The Lowered executable of one bucket, built from abstract shapes (nothing is allocated)."""
+    import jax.numpy as jnp
+
+    from jaxspec import cache
+    from jaxspec.spec.session import draft_engine_config
+
+    ecfg = model.engine_config(bucket.engine_k)
+    if bucket.name == "allocate":
+        return cache.allocate_executable(model.config, ecfg, jnp.dtype(model.dtype)).lower()
+    if bucket.name == "draft_allocate":
+        draft_ecfg = draft_engine_config(ecfg, draft_model, bucket.k)
+        return cache.allocate_executable(draft_model.config, draft_ecfg, jnp.dtype(draft_model.dtype)).lower()
+    if bucket.name == "prefill":
+        return _lower_step(model, ecfg, 1, bucket.query_len, "prefill", True)
+    if bucket.name == "decode":
+        return _lower_step(model, ecfg, bucket.num_reqs, 1, "verify", False)
+    if bucket.name == "draft_prefill":
+        return _lower_step(draft_model, draft_engine_config(ecfg, draft_model, bucket.k), 1, bucket.query_len,
+                           "prefill", True)
+    if bucket.name.startswith("admit["):
+        return _lower_admit(model, ecfg, bucket)
+    return _lower_round(model, ecfg, bucket, draft_model)
+
+
+def _lower_admit(model, ecfg, bucket: Bucket):
+    """The drafter's admission update (spec.drafters.set_slot) for one request's state row."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.spec.drafters import set_slot
+    from jaxspec.spec.session import make_drafter
+
+    drafter = make_drafter(bucket.method, model, ecfg, bucket.k)
+    dstate = jax.eval_shape(lambda: drafter.init_state(ecfg.max_num_seqs + 1))
+    values = {name: _shape(x.shape[1:], jnp.int32) for name, x in dstate.items()}
+    return set_slot.lower(dstate, _shape((), jnp.int32), values)
+
+
+def _memory(compiled) -> int | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if stats is None:
+        return None
+    return int(getattr(stats, "temp_size_in_bytes", 0) + getattr(stats, "generated_code_size_in_bytes", 0))
+
+
+def precompile(model, table: list[Bucket], *, draft_model=None, progress: bool = True) -> list[CompileReport]:
+    """Lower and compile every bucket of the table (AOT), recording time, persistent-cache hit or
+    miss and executable memory. Raises on the first failure."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    reports = []
+    for bucket in tqdm(table, desc="precompile", disable=not progress, unit="exe"):
+        start = time.perf_counter()
+        with count_compiles() as count:
+            compiled = lower_bucket(model, bucket, draft_model).compile()
+        seconds = time.perf_counter() - start
+        if _enabled_dir[0] is None:
+            status = "off"
+        elif count.cache_misses:
+            status = "miss"
+        elif count.cache_hits:
+            status = "hit"
+        else:
+            status = "memory"
+        reports.append(CompileReport(bucket, seconds, status, _memory(compiled)))
+    return reports
+
+
+def format_reports(reports: list[CompileReport]) -> str:
+    rows = [[r.bucket.name, r.bucket.describe(), f"{r.seconds:.2f}", r.cache,
+             "-" if r.memory_bytes is None else f"{r.memory_bytes / 2**20:.2f} MiB"] for r in reports]
+    return format_table(rows, ["executable", "bucket", "compile s", "cache", "exe memory"])
+
+
+def check_table_memory(model, table: list[Bucket], draft_model=None, budget: int | None = None) -> None:
+    """Refuse, before anything is allocated or compiled, a table whose largest engine (weights +
+    caches, plus the draft model's) does not fit the device (or the given budget)."""
+    from jaxspec import cache
+    from jaxspec.engine import memory_plan
+    from jaxspec.spec.session import draft_engine_config
+
+    budget = budget if budget is not None else getattr(model, "memory_budget", None) or cache.device_memory_bytes()
+    for k in sorted({b.engine_k for b in table}):
+        ecfg = model.engine_config(k)
+        plan = memory_plan(model, ecfg)
+        if draft_model is not None and k:
+            draft_plan = memory_plan(draft_model, draft_engine_config(ecfg, draft_model, k))
+            plan.update({f"draft_{name}": size for name, size in draft_plan.items()})
+        cache.check_budget(plan, budget)

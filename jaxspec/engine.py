@@ -95,26 +95,44 @@ def logits_step(params, caches, num_accepted, inputs: dict, *, cfg: ModelConfig,
     return logits, caches, num_accepted.at[inputs["seq_slot"]].set(1)
 
 
+def memory_plan(model, ecfg: EngineConfig) -> dict[str, int]:
+    """Bytes of the weights and of each cache component for this engine configuration."""
+    return {"weights": cache.params_bytes(model.params), **cache.cache_bytes(model.config, ecfg, model.dtype)}
+
+
+@functools.cache
+def step_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str):
+    """The jitted step for one (model config, engine config, kernels); shared by every Engine with
+    these settings so re-creating an engine never retraces. Caches and num_accepted are donated."""
+    return jax.jit(functools.partial(step, cfg=cfg, ecfg=ecfg, kernels=kernels),
+                   static_argnames=("mode", "last_only"), donate_argnums=(1, 2))
+
+
+@functools.cache
+def logits_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str):
+    return jax.jit(functools.partial(logits_step, cfg=cfg, ecfg=ecfg, kernels=kernels),
+                   static_argnames=("mode",), donate_argnums=(1, 2))
+
+
 class Engine:
     """Caches + slots + compiled steps for one model and one EngineConfig."""
 
     def __init__(self, model, ecfg: EngineConfig, *, memory_budget: int | None = None):
         self.model, self.cfg, self.ecfg = model, model.config, ecfg
         self.kernels = ops.resolve_kernels(model.kernels)
-        self.memory_plan = {"weights": cache.params_bytes(model.params),
-                            **cache.cache_bytes(self.cfg, ecfg, model.dtype)}
+        self.memory_plan = memory_plan(model, ecfg)
+        if memory_budget is None:
+            memory_budget = getattr(model, "memory_budget", None)
         budget = memory_budget if memory_budget is not None else cache.device_memory_bytes()
         cache.check_budget(self.memory_plan, budget)  # refuse before allocating anything
         self.caches = cache.allocate(self.cfg, ecfg, model.dtype)
-        self.num_accepted = jnp.ones((ecfg.max_num_seqs + 1,), jnp.int32)
+        self.num_accepted = jax.device_put(np.ones((ecfg.max_num_seqs + 1,), np.int32))
         self.pages = cache.PageAllocator(ecfg.total_pages)
         self.block_tables = np.zeros((ecfg.max_num_seqs + 1, ecfg.pages_per_seq), np.int32)
         self.slot_pages: dict[int, list[int]] = {}
         self.free_slots = list(range(ecfg.max_num_seqs, 0, -1))
-        self._step = jax.jit(functools.partial(step, cfg=self.cfg, ecfg=ecfg, kernels=self.kernels),
-                             static_argnames=("mode", "last_only"), donate_argnums=(1, 2))
-        self._logits_step = jax.jit(functools.partial(logits_step, cfg=self.cfg, ecfg=ecfg, kernels=self.kernels),
-                                    static_argnames=("mode",), donate_argnums=(1, 2))
+        self._step = step_executable(self.cfg, ecfg, self.kernels)
+        self._logits_step = logits_executable(self.cfg, ecfg, self.kernels)
 
     # ---- slots and pages -----------------------------------------------------------------------
     def acquire_slot(self, slot: int | None = None) -> int:
@@ -161,7 +179,7 @@ class Engine:
         sp = sampling.make_sampling_params(
             R, temperature=[r.temperature for r in rows], top_k=[r.top_k for r in rows],
             top_p=[r.top_p for r in rows], seed=[r.seed for r in rows], request_id=[r.request_id for r in rows])
-        return StepInputs(batch={k: jnp.asarray(v) for k, v in batch.items()}, sampling=sp)
+        return StepInputs(batch=jax.device_put(batch), sampling=sp)  # transfers only: no device compiles
 
     def run(self, rows: list[Row], *, T: int, mode: str, last_only: bool) -> np.ndarray:
         """Run one step over rows (each with <= T tokens) and return sampled tokens on the host."""

@@ -4,6 +4,8 @@ and leave between rounds), chunked prefill, decode (or speculative) rounds, stop
 from __future__ import annotations
 
 import contextlib
+import inspect
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -65,6 +67,7 @@ class GenerateStats:
     verify_steps: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    emitted_histogram: list[int] = field(default_factory=list)  # [k+2]: verify rows by tokens emitted (1..1+k)
 
     @property
     def tokens_per_second(self) -> float:
@@ -129,7 +132,7 @@ def _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, s
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     sampling.validate_sampling(temperature, top_k, top_p)
     ids = _tokenize(model, prompts)
-    stop = frozenset(model.eos_token_ids) | frozenset(stop_token_ids or ())
+    stop = frozenset(model.eos_token_ids) | _stop_ids(stop_token_ids)
     for i, p in enumerate(ids):
         if len(p) + max_new_tokens > model.max_model_len:
             raise ValueError(f"prompts[{i}] has {len(p)} tokens; with {max_new_tokens=} that exceeds "
@@ -138,8 +141,20 @@ def _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, s
     seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(ids)
     if len(seeds) != len(ids):
         raise ValueError(f"seed has {len(seeds)} entries for {len(ids)} prompts")
+    for s in seeds:  # checked here, not at the first step, so a stream refuses at call time too
+        if not isinstance(s, numbers.Integral) or not 0 <= s < 2**32:
+            raise ValueError(f"seed={s!r} must be an integer in [0, 2**32)")
     return [Request(i, p, max_new_tokens, stop, float(temperature), int(top_k), float(top_p), int(s))
             for i, (p, s) in enumerate(zip(ids, seeds, strict=False))]
+
+
+def _stop_ids(stop_token_ids) -> frozenset[int]:
+    """None, one id or an iterable of ids -> frozenset of ints."""
+    ids = [stop_token_ids] if isinstance(stop_token_ids, numbers.Integral) else list(stop_token_ids or ())
+    bad = [t for t in ids if not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"stop_token_ids contains {bad[0]!r}; each entry must be an int token id")
+    return frozenset(int(t) for t in ids)
 
 
 def _plain_events(engine, requests: list[Request], stats: GenerateStats) -> Iterator[tuple[int, list[int]]]:
@@ -147,12 +162,14 @@ def _plain_events(engine, requests: list[Request], stats: GenerateStats) -> Iter
     pending, active = deque(requests), []
     with release_on_exit(engine, active):
         while pending or active:
+            retire_finished(engine, active)  # first, so a slot freed last step is reused at once
             while pending and engine.free_slots:
                 req = pending.popleft()
                 admit(engine, req, active, stats)
                 yield req.index, req.generated[:]
-            retire_finished(engine, active)
+                retire_finished(engine, active)  # a request may end on its first token
             if not active:
+                check_slots_available(engine, pending)
                 continue
             rows = [r.row([r.generated[-1]], r.num_cached) for r in active]
             tokens = engine.decode(rows)
@@ -168,6 +185,13 @@ def admit(engine, req: Request, active: list[Request], stats: GenerateStats) -> 
     first = engine.prefill(req.row(req.prompt, 0))
     stats.prefill_steps += -(-len(req.prompt) // engine.ecfg.prefill_chunk)
     req.accept([first])
+
+
+def check_slots_available(engine, pending) -> None:
+    """Refuse (rather than wait forever) when requests wait but every slot is held elsewhere."""
+    if pending and not engine.free_slots:
+        raise RuntimeError(f"all {engine.ecfg.max_num_seqs} request slots are held outside this generation "
+                           f"(an unfinished stream?); close that stream or let it finish first")
 
 
 def retire_finished(engine, active: list[Request], session=None) -> None:
@@ -217,9 +241,12 @@ def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 
         from jaxspec.spec.config import check_speculative
 
         check_speculative(speculative, model, len(requests))
+    end_open_streams(model)
     stats = GenerateStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
     if stream:
-        return _timed(_events(model, requests, speculative, stats), stats)
+        events = GenerateStream(_timed(_events(model, requests, speculative, stats), stats), stats)
+        model._streams.add(events)
+        return events
     for _ in _timed(_events(model, requests, speculative, stats), stats):
         pass
     texts = None
@@ -228,13 +255,47 @@ def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 
     return GenerateResult([r.generated for r in requests], texts, stats, [r.finish_reason for r in requests])
 
 
+class GenerateStream:
+    """Iterator of (request index, new token ids); `.stats` fills in as it runs. Closing it (or
+    dropping it) ends generation early and frees the engine's slots. A later generate / score call
+    on the same model ends a stream left half-read, so an abandoned stream never blocks the engine."""
+
+    def __init__(self, events, stats: GenerateStats):
+        self._events, self.stats, self._ended_by_later_call = events, stats, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, list[int]]:
+        if self._ended_by_later_call:
+            raise RuntimeError("this stream was ended (and its slots freed) by a later generate or score call "
+                               "on the same model; finish or close a stream before starting another call")
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+
+    def end_if_started(self) -> None:
+        """Close a stream that holds slots (started, not finished); an unstarted one holds none."""
+        if inspect.getgeneratorstate(self._events) == inspect.GEN_SUSPENDED:
+            self._ended_by_later_call = True
+            self.close()
+
+
+def end_open_streams(model) -> None:
+    """End the model's half-read streams, freeing their slots for the call about to start."""
+    for stream in list(model._streams):
+        stream.end_if_started()
+
+
 def _timed(events, stats: GenerateStats):
     start = time.perf_counter()
-    for index, new in events:
-        stats.tokens += len(new)
-        stats.seconds = time.perf_counter() - start
-        if new:
-            yield index, new
+    with contextlib.closing(events):  # closing this stream closes the request loop (frees slots)
+        for index, new in events:
+            stats.tokens += len(new)
+            stats.seconds = time.perf_counter() - start
+            if new:
+                yield index, new
     stats.seconds = time.perf_counter() - start
 
 
@@ -244,4 +305,5 @@ def score(model, token_ids: list[int], *, incremental: bool = False):
     ids = _tokenize(model, [list(token_ids)])[0]
     if len(ids) > model.max_model_len:
         raise ValueError(f"{len(ids)} tokens exceed max_model_len={model.max_model_len}")
+    end_open_streams(model)
     return model.engine(0).score(ids, incremental=incremental)

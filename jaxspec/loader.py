@@ -9,12 +9,14 @@ orbax params; faster to reload than re-converting), or (c) a built-in demo name 
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxspec import compile as compile_cache
 from jaxspec import demo, ops, weights
 from jaxspec import tokenizer as tok
 from jaxspec.config import ConfigError, EngineConfig, ModelConfig
@@ -37,8 +39,11 @@ class Model:
     prefill_chunk: int = 64
     page_size: int = 16
     request_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
+    max_num_speculative_tokens: int = 0  # sizes GDN state slots; 0 = sized by each call's k
+    k_mode: str = "per_k"  # "per_k": one round executable per k; "pad_to_max": pad drafts to the max k
     hf_config: dict = field(default_factory=dict)
     _engines: dict = field(default_factory=dict, repr=False)
+    _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)  # open streams
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -51,8 +56,9 @@ class Model:
                             request_buckets=self.request_buckets)
 
     def engine(self, num_speculative_tokens: int = 0):
-        """The engine for this k_max, created (and its caches allocated) on first use."""
-        return self.engine_for(self.engine_config(num_speculative_tokens))
+        """The engine serving k draft tokens per round (0 = plain decoding), created (and its caches
+        allocated) on first use; sized for max_num_speculative_tokens when that is set."""
+        return self.engine_for(self.engine_config(max(num_speculative_tokens, self.max_num_speculative_tokens)))
 
     def engine_for(self, ecfg: EngineConfig):
         """The engine for ecfg; one set of caches is kept at a time."""
@@ -119,25 +125,46 @@ def _load_dir(path: Path, dtype: str):
     return cfg, params, tokenizer, jdtype, hf_config
 
 
+K_MODES = ("per_k", "pad_to_max")
+
+
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
-         max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16) -> Model:
-    """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo[:family]")."""
+         max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
+         k_mode: str = "per_k", cache_dir: str | Path | None = "default") -> Model:
+    """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo[:family]").
+
+    max_num_speculative_tokens: the largest k this model will verify (sizes the 1+k GDN state slots
+    per request); 0 sizes the caches by each generate call's k. k_mode: "per_k" compiles one verify
+    per k, "pad_to_max" verifies every k with the max-k executable and masked draft tails.
+    cache_dir: the persistent XLA compilation cache ("default" = $JAXSPEC_CACHE_DIR or the user
+    cache dir; None = off). It is process-wide and enabled before anything is compiled.
+    """
     ops.resolve_kernels(kernels)  # validate early
+    if k_mode not in K_MODES:
+        raise ValueError(f"k_mode={k_mode!r} is not valid; choose one of {K_MODES}")
+    if not isinstance(max_num_speculative_tokens, int) or max_num_speculative_tokens < 0:
+        raise ValueError(f"max_num_speculative_tokens={max_num_speculative_tokens!r} must be an integer >= 0")
+    if k_mode == "pad_to_max" and max_num_speculative_tokens < 1:
+        raise ValueError("k_mode='pad_to_max' needs max_num_speculative_tokens >= 1 (the k it pads to)")
     name = str(path_or_name)
-    if name == "demo" or name.startswith("demo:"):
+    is_demo = name == "demo" or name.startswith("demo:")
+    if is_demo:
+        demo.demo_config(name.split(":", 1)[1] if ":" in name else demo.DEFAULT_DEMO)  # validates the family
+    elif not Path(path_or_name).is_dir():
+        raise FileNotFoundError(f"model path {name!r} does not exist or is not a directory; "
+                                f"pass a checkpoint directory or 'demo[:family]'")
+    compile_cache.enable_persistent_cache(cache_dir)  # after validation, before anything compiles
+    if is_demo:
         cfg, params, tokenizer, jdtype, hf_config = _load_demo(name, dtype)
     else:
-        path = Path(path_or_name)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model path {str(path)!r} does not exist or is not a directory; "
-                                    f"pass a checkpoint directory or 'demo[:family]'")
-        cfg, params, tokenizer, jdtype, hf_config = _load_dir(path, dtype)
+        cfg, params, tokenizer, jdtype, hf_config = _load_dir(Path(path_or_name), dtype)
     max_model_len = _validate_sizes(max_model_len, max_num_seqs, cfg)
     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                  prefill_chunk=prefill_chunk)  # validates the sizes
     return Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,
                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
-                 page_size=page_size, hf_config=hf_config)
+                 page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
+                 k_mode=k_mode)
 
 
 def save(model: Model, directory: str | Path) -> Path:

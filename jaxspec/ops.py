@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.attention import api as attention_api
+from pallas_kernels.gated_delta import api as gdn_api
 from pallas_kernels.gated_delta import reference as gdn_ref
 
 KERNEL_CHOICES = ("auto", "xla", "pallas")
@@ -43,15 +44,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, start_pos, num_valid, *, 
 
 def gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):
     """Recurrent GDN over T tokens with a state snapshot per token (decode is T = 1)."""
-    return gdn_ref.gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+    return gdn_api.gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
+                              implementation=kernels, interpret=_interpret())
 
 
 def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):
     """Chunked GDN prefill continuing from the pooled state; writes the final state only."""
-    return gdn_ref.gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+    return gdn_api.gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
+                               implementation=kernels, interpret=_interpret())
 
 
 def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, *, mode: str, kernels: str):
     """Causal depthwise conv + SiLU over x [R, T, C]: window from lines[read_row, offset:], new window
     to lines[write_row]."""
-    return gdn_ref.conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, mode=mode)
+    return gdn_api.conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, mode=mode,
+                               implementation=kernels, interpret=_interpret())

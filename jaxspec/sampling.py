@@ -24,6 +24,7 @@ import numpy as np
 STREAM_SAMPLE = 0  # plain sampling, and the bonus token of a speculative round
 STREAM_ACCEPT = 1  # the uniform u of the accept test u < p(x) / q(x)
 STREAM_RESIDUAL = 2  # the replacement token drawn from norm(max(p - q, 0)) after a rejection
+# Stream 3 is taken by the drafters' own sampling (spec/drafters.py).
 
 _BASE_KEY_SEED = 0x5EED
 
@@ -87,7 +88,7 @@ def make_sampling_params(
             values = values * num_requests
         if len(values) != num_requests:
             raise ValueError(f"{name} has {len(values)} entries, expected {num_requests=}")
-        return jnp.asarray(values, dtype=dtype)
+        return jax.device_put(np.asarray(values, dtype=np.dtype(dtype)))  # a transfer, no device compile
 
     return SamplingParams(
         temperature=column("temperature", temperature, jnp.float32),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,9 @@ from typing import Any
 import pytest
 
 from tests.hf_fixtures import make_hf_checkpoint
+
+# The suite's persistent compilation cache: a fresh directory per run, never the user's cache.
+os.environ["JAXSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
 
 
 @pytest.fixture(scope="session")

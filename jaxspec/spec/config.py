@@ -57,6 +57,10 @@ def check_speculative(spec, model, num_prompts: int | None = None) -> None:
     """Validate a SpeculativeConfig against the target model (and the prompt count, for replay)."""
     if not isinstance(spec, SpeculativeConfig):
         raise ValueError(f"speculative={spec!r} must be a jaxspec.SpeculativeConfig or None")
+    limit = getattr(model, "max_num_speculative_tokens", 0)
+    if limit and spec.k > limit:
+        raise ValueError(f"num_speculative_tokens={spec.k} is above this model's configured maximum "
+                         f"max_num_speculative_tokens={limit}; use k <= {limit} or load with a larger maximum")
     if spec.method == "draft_model":
         draft = spec.draft_model
         if not hasattr(draft, "config") or not hasattr(draft, "params"):

@@ -10,6 +10,7 @@ null slot that padding rows use). New drafters (MTP, tap-conditioned) implement 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -32,12 +33,31 @@ class RoundInputs:
     block_tables: jax.Array  # [R, P] int32 (target pages)
     seq_slot: jax.Array  # [R] int32, 0 = padding row
     request_id: jax.Array  # [R] int32
+    num_drafts: jax.Array  # [R] int32, drafts verified this round (<= k; a shorter k is a masked tail)
     aux_block_tables: jax.Array  # [R, Pd] int32 (draft-model pages; [R, 1] zeros otherwise)
 
 
 def _set_rows(buf, slots, rows):
     """Write rows [R, L] into buf [S+1, L] at slots [R] (padding rows hit the null row 0)."""
     return buf.at[slots].set(rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_slot(dstate: dict, slot, values: dict) -> dict:
+    """dstate[name][slot] = values[name] for every entry; one small executable per state layout,
+    used when a request is admitted (slot: int32 scalar array; values: host arrays)."""
+    return {name: dstate[name].at[slot].set(values[name]) for name in dstate}
+
+
+def admit_values(dstate: dict, slot: int, values: dict) -> dict:
+    """Host side of set_slot: only transfers and one cached executable, no eager device ops."""
+    host = {name: np.asarray(v, dtype=np.int32) for name, v in values.items()}
+    return set_slot(dstate, jax.device_put(np.int32(slot)), jax.device_put(host))
+
+
+def zeros_state(shapes: dict) -> dict:
+    """Zero device state from {name: shape} (a host allocation and a transfer, no compile)."""
+    return jax.device_put({name: np.zeros(shape, np.int32) for name, shape in shapes.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,13 +77,12 @@ class NgramDrafter:
     history_len: int
 
     def init_state(self, num_slots: int) -> dict:
-        return {"history": jnp.zeros((num_slots, self.history_len), jnp.int32),
-                "length": jnp.zeros((num_slots,), jnp.int32)}
+        return zeros_state({"history": (num_slots, self.history_len), "length": (num_slots,)})
 
     def admit(self, dstate: dict, slot: int, tokens: list[int]) -> dict:
         row = np.zeros((self.history_len,), np.int32)
         row[:len(tokens)] = tokens
-        return {"history": dstate["history"].at[slot].set(row), "length": dstate["length"].at[slot].set(len(tokens))}
+        return admit_values(dstate, slot, {"history": row, "length": len(tokens)})
 
     def _match_end(self, h, L, n: int):
         """Largest j < L-1 with h[j-n+1 .. j] == h[L-n .. L-1], or -1. h [Lh], L scalar."""
@@ -114,14 +133,12 @@ class ReplayDrafter:
     ref_len: int
 
     def init_state(self, num_slots: int) -> dict:
-        return {"ref": jnp.zeros((num_slots, self.ref_len), jnp.int32),
-                "length": jnp.zeros((num_slots,), jnp.int32), "generated": jnp.zeros((num_slots,), jnp.int32)}
+        return zeros_state({"ref": (num_slots, self.ref_len), "length": (num_slots,), "generated": (num_slots,)})
 
     def admit(self, dstate: dict, slot: int, reference: list[int], generated: int) -> dict:
         row = np.zeros((self.ref_len,), np.int32)
         row[:min(len(reference), self.ref_len)] = reference[:self.ref_len]
-        return {"ref": dstate["ref"].at[slot].set(row), "length": dstate["length"].at[slot].set(len(reference)),
-                "generated": dstate["generated"].at[slot].set(generated)}
+        return admit_values(dstate, slot, {"ref": row, "length": len(reference), "generated": generated})
 
     def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
         ref = dstate["ref"][rnd.seq_slot]  # [R, L]

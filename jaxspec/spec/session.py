@@ -54,22 +54,39 @@ class Session:
             self.draft_engine.caches = self.dstate["caches"]
 
 
-def make_session(model, engine, spec, requests) -> Session:
+def draft_engine_config(target_ecfg: EngineConfig, draft, k: int) -> EngineConfig:
+    """The draft model's engine: the target's slots and lengths, 1+k state slots and one conv window
+    per state slot (it advances one token per step)."""
+    return EngineConfig(max_num_seqs=target_ecfg.max_num_seqs, max_model_len=target_ecfg.max_model_len,
+                        page_size=draft.page_size, prefill_chunk=draft.prefill_chunk,
+                        max_num_speculative_tokens=k, conv_per_state_slot=True,
+                        request_buckets=target_ecfg.request_buckets)
+
+
+def make_drafter(method: str, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):
+    """The static (jit-keying) drafter proposing k tokens for a target engine configured by ecfg."""
+    if method == "ngram":
+        return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1],
+                            history_len=ecfg.max_model_len + k + 1)
+    if method == "replay":  # a fixed reference length, so references of any length share executables
+        return ReplayDrafter(k=k, vocab_size=model.config.vocab_size, ref_len=ecfg.max_model_len + k + 1)
+    from jaxspec import ops
+
+    return DraftModelDrafter(k=k, cfg=draft_model.config, ecfg=draft_engine_config(ecfg, draft_model, k),
+                             kernels=ops.resolve_kernels(draft_model.kernels))
+
+
+def make_session(model, engine, spec, requests, k: int) -> Session:
+    """The drafter session for a generate call; drafters propose k tokens (spec's k, or k_max when
+    the model pads every k to its maximum)."""
     num_slots = engine.ecfg.max_num_seqs + 1
+    drafter = make_drafter(spec.method, model, engine.ecfg, k, draft_model=spec.draft_model,
+                           prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max))
     if spec.method == "ngram":
-        drafter = NgramDrafter(k=spec.k, n_min=spec.prompt_lookup_min, n_max=spec.prompt_lookup_max,
-                               history_len=engine.ecfg.max_model_len + spec.k + 1)
         return Session(drafter, dstate=drafter.init_state(num_slots))
     if spec.method == "replay":
-        ref_len = engine.ecfg.max_model_len + spec.k + 1  # fixed, so references of any length share executables
-        drafter = ReplayDrafter(k=spec.k, vocab_size=model.config.vocab_size, ref_len=ref_len)
         dparams = {"alpha": jnp.float32(spec.replay_alpha), "seed": jnp.uint32(spec.replay_seed)}
         return Session(drafter, dparams=dparams, dstate=drafter.init_state(num_slots), replay=spec.replay_tokens)
-    draft = spec.draft_model
-    ecfg = EngineConfig(max_num_seqs=engine.ecfg.max_num_seqs, max_model_len=engine.ecfg.max_model_len,
-                        page_size=draft.page_size, prefill_chunk=draft.prefill_chunk,
-                        max_num_speculative_tokens=spec.k, conv_per_state_slot=True,
-                        request_buckets=engine.ecfg.request_buckets)
-    draft_engine = draft.engine_for(ecfg)
-    drafter = DraftModelDrafter(k=spec.k, cfg=draft.config, ecfg=ecfg, kernels=draft_engine.kernels)
-    return Session(drafter, dparams=draft.params, dstate={"caches": draft_engine.caches}, draft_engine=draft_engine)
+    draft_engine = spec.draft_model.engine_for(drafter.ecfg)
+    return Session(drafter, dparams=spec.draft_model.params, dstate={"caches": draft_engine.caches},
+                   draft_engine=draft_engine)

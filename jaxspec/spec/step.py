@@ -33,13 +33,12 @@ def spec_round(params, caches, num_accepted, dparams, dstate, rnd: RoundInputs, 
     drafts, draft_probs, dstate = drafter.propose(dparams, dstate, rnd, num_accepted)  # [R, k]
     live = rnd.seq_slot > 0
     inputs = dict(tokens=jnp.concatenate([rnd.last_token[:, None], drafts], axis=1),  # [R, 1+k]
-                  start_pos=rnd.start_pos, num_valid=jnp.where(live, 1 + k, 0).astype(jnp.int32),
+                  start_pos=rnd.start_pos, num_valid=jnp.where(live, 1 + rnd.num_drafts, 0).astype(jnp.int32),
                   block_tables=rnd.block_tables, seq_slot=rnd.seq_slot)
     logits, _, caches = forward(params, cfg, caches, make_batch(inputs, num_accepted, ecfg), mode="verify",
                                 kernels=kernels, last_only=False)  # [R, 1+k, V]
     positions = rnd.start_pos[:, None] + 1 + jnp.arange(1 + k, dtype=jnp.int32)[None, :]
-    emitted, num_emitted = rejection_sample(logits, drafts, draft_probs, sp, positions,
-                                            jnp.full_like(rnd.start_pos, k))
+    emitted, num_emitted = rejection_sample(logits, drafts, draft_probs, sp, positions, rnd.num_drafts)
     num_accepted = num_accepted.at[rnd.seq_slot].set(num_emitted)  # stays on device for the next round
     dstate = drafter.commit(dstate, rnd, emitted, num_emitted)
     return emitted, num_emitted, caches, num_accepted, dstate
@@ -53,8 +52,10 @@ def round_executable(cfg: ModelConfig, ecfg: EngineConfig, drafter, kernels: str
                    donate_argnums=(1, 2, 4))
 
 
-def _round_rows(engine, session, active, R: int, k: int) -> tuple[RoundInputs, sampling.SamplingParams]:
-    """Host -> device inputs of one round, padded to R rows (padding rows use slot 0)."""
+def _round_rows(engine, session, active, R: int, k: int,
+                num_drafts: int) -> tuple[RoundInputs, sampling.SamplingParams]:
+    """Host -> device inputs of one round with k draft columns (num_drafts of them verified),
+    padded to R rows (padding rows use slot 0)."""
     n = len(active)
     last = np.zeros((R,), np.int32)
     start = np.zeros((R,), np.int32)
@@ -71,8 +72,9 @@ def _round_rows(engine, session, active, R: int, k: int) -> tuple[RoundInputs, s
         R, temperature=[r.temperature if r else 0.0 for r in rows], top_k=[r.top_k if r else 0 for r in rows],
         top_p=[r.top_p if r else 1.0 for r in rows], seed=[r.seed if r else 0 for r in rows],
         request_id=[r.request_id if r else 0 for r in rows])
-    rnd = RoundInputs(last_token=jnp.asarray(last), start_pos=jnp.asarray(start), block_tables=jnp.asarray(tables),
-                      seq_slot=jnp.asarray(slots), request_id=jnp.asarray(ids), aux_block_tables=jnp.asarray(aux))
+    host = dict(last_token=last, start_pos=start, block_tables=tables, seq_slot=slots, request_id=ids,
+                num_drafts=np.full((R,), num_drafts, np.int32), aux_block_tables=aux)
+    rnd = RoundInputs(**jax.device_put(host))  # transfers only: no device compiles
     return rnd, sp
 
 
@@ -83,6 +85,9 @@ def _record(stats, num_emitted: np.ndarray, k: int) -> None:
     stats.accepted += int(np.sum(num_emitted - 1))
     if not stats.drafted_by_position:
         stats.drafted_by_position, stats.accepted_by_position = [0] * k, [0] * k
+        stats.emitted_histogram = [0] * (k + 2)  # index = tokens emitted by a row, 1..1+k
+    for n in num_emitted:
+        stats.emitted_histogram[n] += 1
     for i in range(k):
         stats.drafted_by_position[i] += len(num_emitted)
         stats.accepted_by_position[i] += int(np.sum(num_emitted - 1 > i))
@@ -94,7 +99,9 @@ def speculative_events(model, requests, spec, stats):
     from jaxspec.spec.session import make_session
 
     engine = model.engine(spec.k)
-    session = make_session(model, engine, spec, requests)
+    # pad_to_max: every k runs the k_max executable; drafts beyond spec.k are a masked tail.
+    k_run = engine.ecfg.max_num_speculative_tokens if model.k_mode == "pad_to_max" else spec.k
+    session = make_session(model, engine, spec, requests, k_run)
     run_round = round_executable(model.config, engine.ecfg, session.drafter, engine.kernels)
     pending, active = deque(requests), []
     with release_on_exit(engine, active, session):
@@ -108,7 +115,7 @@ def speculative_events(model, requests, spec, stats):
             if not active:
                 continue
             R = engine.ecfg.request_bucket(len(active))
-            rnd, sp = _round_rows(engine, session, active, R, spec.k)
+            rnd, sp = _round_rows(engine, session, active, R, k_run, spec.k)
             emitted, num_emitted, engine.caches, engine.num_accepted, session.dstate = run_round(
                 model.params, engine.caches, engine.num_accepted, session.dparams, session.dstate, rnd, sp)
             session.sync()

@@ -2,12 +2,12 @@
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from jaxspec.sampling import (
     STREAM_ACCEPT,
@@ -33,77 +33,81 @@ def categorical_rows(key, probs):
     return flat.reshape(probs.shape[:2])
 
 
+# One small shape shared by the hand-made tests, so they reuse one compilation per draft mode.
+ROWS, SMALL_K, SMALL_V = 8, 3, 7
+SMALL_POSITIONS = jnp.broadcast_to(jnp.arange(40, 41 + SMALL_K, dtype=jnp.int32), (ROWS, 1 + SMALL_K))
+
+
 def _peaked_logits(argmaxes, vocab):
     """[R, len, V] logits whose argmax at position i of row r is argmaxes[r][i]."""
-    noise = jax.random.uniform(jax.random.key(0), (len(argmaxes), len(argmaxes[0]), vocab))
-    return noise + 5.0 * jax.nn.one_hot(jnp.asarray(argmaxes), vocab)
+    noise = np.random.default_rng(0).uniform(size=(len(argmaxes), len(argmaxes[0]), vocab))
+    return jnp.asarray(noise + 5.0 * np.eye(vocab)[np.asarray(argmaxes)], jnp.float32)
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
 def test_greedy_acceptance(with_draft_probs):
-    vocab, k = 6, 3
     target_argmax = [2, 4, 1, 5]  # target argmax at positions 0..3 for every row
     cases = [  # (drafts, num_drafts) -> (tokens, num_emitted)
         (([2, 4, 1], 3), ([2, 4, 1, 5], 4)),  # all accepted -> bonus = argmax at position 3
         (([2, 3, 1], 3), ([2, 4, 0, 0], 2)),  # first mismatch at 1 -> target argmax there
         (([0, 4, 1], 3), ([2, 0, 0, 0], 1)),  # mismatch at 0
+        (([2, 4, 6], 3), ([2, 4, 1, 0], 3)),  # mismatch at the last draft
+        (([2, 0, 1], 3), ([2, 4, 0, 0], 2)),  # a later match after a mismatch does not count
         (([2, 4, 1], 2), ([2, 4, 1, 0], 3)),  # masked tail: bonus at position 2
         (([2, 4, 3], 2), ([2, 4, 1, 0], 3)),  # a wrong draft in the masked tail is ignored
         (([2, 4, 1], 0), ([2, 0, 0, 0], 1)),  # no drafts: plain greedy
     ]
-    rows = len(cases)
-    logits = _peaked_logits([target_argmax] * rows, vocab)
+    logits = _peaked_logits([target_argmax] * ROWS, SMALL_V)
     drafts = jnp.asarray([c[0][0] for c in cases], jnp.int32)
     num_drafts = jnp.asarray([c[0][1] for c in cases], jnp.int32)
     draft_probs = None
     if with_draft_probs:  # greedy rows ignore q entirely
-        draft_probs = jax.nn.softmax(jax.random.normal(jax.random.key(3), (rows, k, vocab)))
-    params = make_sampling_params(rows, temperature=0.0, top_k=2, top_p=0.5, seed=11)
-    positions = jnp.broadcast_to(jnp.arange(40, 44, dtype=jnp.int32), (rows, 1 + k))
-    tokens, num_emitted = verify_jit(logits, drafts, draft_probs, params, positions, num_drafts)
+        q_logits = np.random.default_rng(3).normal(size=(ROWS, SMALL_K, SMALL_V))
+        draft_probs = jax.nn.softmax(jnp.asarray(q_logits, jnp.float32))
+    params = make_sampling_params(ROWS, temperature=0.0, top_k=2, top_p=0.5, seed=11)
+    tokens, num_emitted = verify_jit(logits, drafts, draft_probs, params, SMALL_POSITIONS,
+                                     num_drafts)
     np.testing.assert_array_equal(tokens, [c[1][0] for c in cases])
     np.testing.assert_array_equal(num_emitted, [c[1][1] for c in cases])
     assert tokens.dtype == jnp.int32 and num_emitted.dtype == jnp.int32
 
 
 def test_greedy_matches_sequential_reference():
-    """Random drafts (half of them equal to the argmax): compare with a step-by-step loop."""
-    rows, k, vocab = 64, 4, 7
-    keys = jax.random.split(jax.random.key(4), 4)
-    logits = jax.random.normal(keys[0], (rows, 1 + k, vocab))
-    argmax = np.argmax(np.asarray(logits), -1)
-    coin = np.asarray(jax.random.bernoulli(keys[1], 0.8, (rows, k)))
-    random = np.asarray(jax.random.randint(keys[2], (rows, k), 0, vocab))
-    drafts = np.where(coin, argmax[:, :k], random).astype(np.int32)
-    num_drafts = np.asarray(jax.random.randint(keys[3], (rows,), 0, k + 1), np.int32)
-    params = make_sampling_params(rows, temperature=0.0)
-    positions = jnp.broadcast_to(jnp.arange(1 + k, dtype=jnp.int32), (rows, 1 + k))
-    tokens, num_emitted = verify_jit(logits, drafts, None, params, positions, num_drafts)
-    for r in range(rows):
-        want = []
-        for i in range(num_drafts[r] + 1):
-            want.append(int(argmax[r, i]))
-            if i == num_drafts[r] or drafts[r, i] != argmax[r, i]:
-                break
-        assert num_emitted[r] == len(want)
-        np.testing.assert_array_equal(tokens[r], want + [0] * (1 + k - len(want)))
+    """Random drafts (most equal to the argmax): compare with a step-by-step loop."""
+    k = SMALL_K
+    params = make_sampling_params(ROWS, temperature=0.0)
+    rng = np.random.default_rng(4)
+    for _ in range(8):
+        logits = rng.normal(size=(ROWS, 1 + k, SMALL_V)).astype(np.float32)
+        argmax = np.argmax(logits, -1)
+        coin = rng.uniform(size=(ROWS, k)) < 0.8
+        drafts = np.where(coin, argmax[:, :k], rng.integers(0, SMALL_V, (ROWS, k))).astype(np.int32)
+        num_drafts = rng.integers(0, k + 1, ROWS).astype(np.int32)
+        tokens, num_emitted = verify_jit(logits, drafts, None, params, SMALL_POSITIONS, num_drafts)
+        for r in range(ROWS):
+            want = []
+            for i in range(int(num_drafts[r]) + 1):
+                want.append(int(argmax[r, i]))
+                if i == num_drafts[r] or drafts[r, i] != argmax[r, i]:
+                    break
+            assert num_emitted[r] == len(want)
+            np.testing.assert_array_equal(tokens[r], want + [0] * (1 + k - len(want)))
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [0, SMALL_K])
 def test_zero_drafts_equals_plain_sample(k):
-    rows, vocab = 8, 11
-    logits = jax.random.normal(jax.random.key(5), (rows, 1 + k, vocab)) * 2
+    """Zero (or all-masked) drafts: the emitted token is exactly `sample` at that position."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(ROWS, 1 + k, SMALL_V)) * 2, jnp.float32)
     params = make_sampling_params(
-        rows, temperature=[0.0, 0.5, 1.0, 1.5] * 2, top_k=[0, 0, 3, 5] * 2,
-        top_p=[1.0, 0.8, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0], seed=list(range(rows)),
+        ROWS, temperature=[0.0, 0.5, 1.0, 1.5] * 2, top_k=[0, 0, 3, 5] * 2,
+        top_p=[1.0, 0.8, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0], seed=list(range(ROWS)),
         request_id=[3, 1, 4, 1, 5, 9, 2, 6])
-    positions = jnp.broadcast_to(jnp.arange(7, 8 + k, dtype=jnp.int32), (rows, 1 + k))
-    drafts = jnp.ones((rows, k), jnp.int32)
-    draft_probs = jnp.full((rows, k, vocab), 1.0 / vocab)
-    for probs in (None, draft_probs):
-        tokens, num_emitted = verify_jit(logits, drafts, probs, params, positions,
-                                         jnp.zeros(rows, jnp.int32))
-        plain = sample_jit(logits[:, :1], params, positions[:, :1])
+    positions = SMALL_POSITIONS[:, :1 + k]
+    plain = sample_jit(logits[:, :1], params, positions[:, :1])
+    uniform_q = jnp.full((ROWS, k, SMALL_V), 1.0 / SMALL_V)
+    for draft_probs in (None, uniform_q) if k else (None,):
+        tokens, num_emitted = verify_jit(logits, jnp.ones((ROWS, k), jnp.int32), draft_probs,
+                                         params, positions, jnp.zeros(ROWS, jnp.int32))
         np.testing.assert_array_equal(tokens[:, :1], plain)
         np.testing.assert_array_equal(tokens[:, 1:], 0)
         np.testing.assert_array_equal(num_emitted, 1)
@@ -125,16 +129,16 @@ def _distribution_setup(one_hot: bool, case: int):
     Returns logits [N, 1+K, V], drafts [N, K], draft_probs [N, K, V] or None, params, positions
     [N, 1+K], p [1+K, V] f64 (the warped target) and q_draw [K, V] f64 (what drafts were drawn from).
     """
-    keys = jax.random.split(jax.random.key(7), 3)
-    target = jax.random.normal(keys[0], (1 + K, VOCAB)) * 1.5  # [1+K, V]
+    rng = np.random.default_rng(7)
+    target = jnp.asarray(rng.normal(size=(1 + K, VOCAB)) * 1.5, jnp.float32)  # [1+K, V]
     logits = jnp.broadcast_to(target, (N, 1 + K, VOCAB))
     params = make_sampling_params(N, seed=2024, **PARAM_CASES[case])
     p = np.asarray(warp_jit(logits, params)[0], np.float64)  # every row has the same target
     # A drafter that roughly agrees with the target: q = softmax(target logits + noise).
-    q_draw = jax.nn.softmax(target[:K] + jax.random.normal(keys[2], (K, VOCAB)) * 1.5)  # [K, V]
+    q_draw = jax.nn.softmax(target[:K] + rng.normal(size=(K, VOCAB)) * 1.5)  # [K, V]
     # One-hot mode: the same sampled tokens, verified as if q were one-hot at them.
     draft_probs = None if one_hot else jnp.broadcast_to(q_draw, (N, K, VOCAB))
-    drafts = categorical_rows(keys[1], jnp.broadcast_to(q_draw, (N, K, VOCAB)))
+    drafts = categorical_rows(jax.random.key(8), jnp.broadcast_to(q_draw, (N, K, VOCAB)))
     q_draw = np.asarray(q_draw, np.float64)
     assert 0.5 * np.abs(q_draw - p[:K]).sum(-1).min() > 0.15  # the drafter clearly differs from p
     positions = jnp.broadcast_to(jnp.arange(30, 31 + K, dtype=jnp.int32), (N, 1 + K))
@@ -150,7 +154,27 @@ def _chi_square_pvalue(tokens: np.ndarray, p: np.ndarray) -> float:
     if support.sum() == 1:  # a point mass, already matched exactly above
         return 1.0
     expected = p[support] / p[support].sum() * len(tokens)
-    return stats.chisquare(counts[support], expected).pvalue
+    statistic = float(np.sum((counts[support] - expected) ** 2 / expected))
+    return _chi2_sf(statistic, df=int(support.sum()) - 1)
+
+
+def _chi2_sf(x: float, df: int) -> float:
+    """P(chi2_df > x) = Q(df/2, x/2), the closed form for integer and half-integer shapes.
+
+    Q(n, h) = e^-h sum_{i<n} h^i / i!;  Q(n + 1/2, h) = erfc(sqrt h) + e^-h sum_{i=1..n} h^(i-1/2) / G(i+1/2).
+    """
+    h = x / 2
+    if df % 2 == 0:
+        term = total = 1.0
+        for i in range(1, df // 2):
+            term *= h / i
+            total += term
+        return math.exp(-h) * total
+    total, term = math.erfc(math.sqrt(h)), math.sqrt(h) / (math.sqrt(math.pi) / 2)
+    for i in range(1, (df - 1) // 2 + 1):
+        total += math.exp(-h) * term
+        term *= h / (i + 0.5)
+    return total
 
 
 @pytest.mark.parametrize("one_hot", [False, True], ids=["q", "one_hot"])
@@ -229,3 +253,9 @@ def test_distribution_check_rejects_wrong_samplers(one_hot):
     firsts = np.asarray(_wrong_first_tokens(logits, drafts, q0, params, positions))
     for kind, first in zip(WRONG_SAMPLERS, firsts, strict=True):
         assert _chi_square_pvalue(first, p[0]) < 1e-6, kind
+
+
+def test_chi2_sf_matches_tables():
+    """The 5% critical values from statistical tables for df = 1..4."""
+    for df, critical in [(1, 3.841), (2, 5.991), (3, 7.815), (4, 9.488)]:
+        assert abs(_chi2_sf(critical, df) - 0.05) < 1e-4

@@ -1,0 +1,137 @@
+"""Executable caching (issue 5): the bucket table, persistent-cache hits across processes, zero
+compilations when serving after precompile, and refusals of bad settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxspec
+from jaxspec import compile as jc
+
+MODEL = ["--model", "demo:qwen3", "--max-model-len", "48", "--max-num-seqs", "2", "--prefill-chunk", "16"]
+REPO = Path(__file__).resolve().parents[1]
+
+GENERATE_SCRIPT = """
+import json, sys
+import jaxspec
+from jaxspec.compile import count_compiles
+cache = sys.argv[1] if sys.argv[1] != "none" else None
+with count_compiles() as c:
+    m = jaxspec.load("demo:qwen3", max_model_len=48, max_num_seqs=2, prefill_chunk=16, cache_dir=cache)
+    spec = jaxspec.SpeculativeConfig("ngram", 2)
+    r = jaxspec.generate(m, ["abcabcab", "hello"], max_new_tokens=6, speculative=spec)
+    p = jaxspec.generate(m, ["xyz"], max_new_tokens=4)
+print(json.dumps({"tokens": r.token_ids + p.token_ids, "compiles": c.compiles, "hits": c.cache_hits}))
+"""
+
+
+def run(args: list[str], env_cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if env_cache is not None:
+        env["JAXSPEC_CACHE_DIR"] = str(env_cache)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def cli(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    return run(["-m", "jaxspec.cli", *args], cache)
+
+
+@pytest.fixture(scope="module")
+def precompiled(tmp_path_factory):
+    """Two precompile runs in fresh processes over one cache directory."""
+    cache = tmp_path_factory.mktemp("xla")
+    first = cli("precompile", *MODEL, "--k", "2", "--cache-dir", str(cache))
+    second = cli("precompile", *MODEL, "--k", "2", "--cache-dir", str(cache))
+    return cache, first, second
+
+
+def report_rows(stdout: str) -> list[list[str]]:
+    """Rows of the compile report table (the lines after its header)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("executable") and "cache" in line)
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip() or line[0].isdigit():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def test_table_lists_every_executable():
+    model = jaxspec.load("demo:qwen3", max_model_len=48, max_num_seqs=4, prefill_chunk=16, cache_dir=None)
+    table = jc.bucket_table(model, k_values=(1, 3), methods=("ngram", "replay"))
+    names = [(b.name, b.num_reqs, b.query_len) for b in table]
+    for r in (1, 2, 4):
+        assert ("decode", r, 1) in names
+        for k in (1, 3):
+            assert (f"verify[ngram]", r, 1 + k) in names and (f"verify[replay]", r, 1 + k) in names
+    assert all(b.num_tokens == b.num_reqs * b.query_len for b in table)
+    assert "verify[ngram]" in jc.print_table(table)
+
+
+def test_pad_to_max_table_has_one_verify_per_bucket():
+    model = jaxspec.load("demo:qwen3", max_model_len=48, max_num_seqs=2, prefill_chunk=16, cache_dir=None,
+                         max_num_speculative_tokens=4, k_mode="pad_to_max")
+    table = jc.bucket_table(model, k_values=(1, 2, 4), methods=("ngram",))
+    verifies = [b for b in table if b.name.startswith("verify")]
+    assert sorted((b.num_reqs, b.query_len) for b in verifies) == [(1, 5), (2, 5)]
+
+
+def test_first_precompile_compiles_second_is_served_from_cache(precompiled):
+    _, first, second = precompiled
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    rows1, rows2 = report_rows(first.stdout), report_rows(second.stdout)
+    assert len(rows1) == len(rows2) >= 6
+    assert any(r[0].startswith("verify") for r in rows2)
+    assert all("miss" in r for r in rows1)
+    assert all("hit" in r for r in rows2), second.stdout
+    assert "0 compiled" in second.stdout
+
+
+def test_generate_after_precompile_compiles_nothing(precompiled, tmp_path):
+    cache, _, _ = precompiled
+    warm = run(["-c", GENERATE_SCRIPT, str(cache)])
+    assert warm.returncode == 0, warm.stderr
+    warm = json.loads(warm.stdout.strip().splitlines()[-1])
+    assert warm["compiles"] == 0 and warm["hits"] > 0
+    cold = run(["-c", GENERATE_SCRIPT, "none"])
+    assert cold.returncode == 0, cold.stderr
+    assert json.loads(cold.stdout.strip().splitlines()[-1])["tokens"] == warm["tokens"]
+
+
+def test_verbose_generate_reports_startup(precompiled):
+    cache, _, _ = precompiled
+    out = cli("generate", *MODEL, "--max-new-tokens", "4", "--cache-dir", str(cache), "--verbose", "hi")
+    assert out.returncode == 0, out.stderr
+    assert "time to first token" in out.stderr and "0 XLA compilations" in out.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--k", "0"], "k=0 must be >= 1"),
+    (["--max-num-seqs", "0"], "max-num-seqs=0 must be >= 1"),
+])
+def test_bad_flags_exit_nonzero(flags, message, tmp_path):
+    cache = tmp_path / "cache"
+    out = cli("precompile", *MODEL, *flags, "--cache-dir", str(cache))
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert not cache.exists()
+
+
+def test_missing_model_and_unwritable_cache_dir(tmp_path):
+    cache = tmp_path / "cache"
+    out = cli("precompile", "--model", str(tmp_path / "nope"), "--cache-dir", str(cache))
+    assert out.returncode != 0 and "does not exist" in out.stderr
+    assert not cache.exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = cli("precompile", *MODEL, "--cache-dir", str(blocker / "cache"))
+    assert out.returncode != 0 and "not writable" in out.stderr or "not a directory" in out.stderr
+    assert blocker.read_text() == ""
