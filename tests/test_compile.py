@@ -70,7 +70,7 @@ def test_table_lists_every_executable():
     for r in (1, 2, 4):
         assert ("decode", r, 1) in names
         for k in (1, 3):
-            assert (f"verify[ngram]", r, 1 + k) in names and (f"verify[replay]", r, 1 + k) in names
+            assert ("verify[ngram]", r, 1 + k) in names and ("verify[replay]", r, 1 + k) in names
     assert all(b.num_tokens == b.num_reqs * b.query_len for b in table)
     assert "verify[ngram]" in jc.print_table(table)
 
