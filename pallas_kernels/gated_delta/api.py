@@ -1,0 +1,66 @@
+"""Gated DeltaNet entry points: one switch between the XLA references and the Pallas kernels.
+
+Models call these through `jaxspec/ops.py`. Contracts (shapes, inert tokens, null slot/line, read
+before write) are the references' in `reference.py`; the Pallas kernels update the pool / lines
+in place (`input_output_aliases`), so donate them under jit to avoid a copy.
+"""
+
+import jax
+
+from pallas_kernels.gated_delta import reference
+from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
+from pallas_kernels.gated_delta.conv import conv_update_pallas
+from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+
+__all__ = ["conv_update", "gdn_prefill", "gdn_verify"]
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def _use_pallas(implementation: str, interpret: bool | None) -> tuple[bool, bool]:
+    """(use Pallas?, interpret?); interpret defaults to True when the default backend is CPU."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return implementation == "pallas", interpret
+
+
+def gdn_verify(
+    q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
+    *, implementation: str = "xla", interpret: bool | None = None,
+):
+    """Recurrent GDN over T = 1+k tokens with a snapshot per token -> (o [B, T, HV, dv] f32, pool).
+    q, k [B, T, HK, dk]; v [B, T, HV, dv]; g, beta [B, T, HV]; pool [S, HV, dk, dv] f32;
+    read_idx [B]; write_idx [B, T]; has_state [B] bool; num_valid [B]."""
+    args = (q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+    pallas, interpret = _use_pallas(implementation, interpret)
+    if pallas:
+        return gdn_verify_pallas(*args, interpret=interpret)
+    return reference.gdn_verify(*args)
+
+
+def gdn_prefill(
+    q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
+    *, chunk_size: int = 64, implementation: str = "xla", interpret: bool | None = None,
+):
+    """Chunked GDN prefill continuing from pool[read_idx]; final state -> pool[write_idx [B]].
+    Shapes as `gdn_verify`; returns (o [B, T, HV, dv] f32, pool)."""
+    args = (q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+    pallas, interpret = _use_pallas(implementation, interpret)
+    if pallas:
+        return gdn_prefill_pallas(*args, chunk_size=chunk_size, interpret=interpret)
+    return reference.gdn_prefill(*args, chunk_size=chunk_size)
+
+
+def conv_update(
+    x, lines, weight, read_row, offset, write_row, has_state, num_valid,
+    *, mode: str, implementation: str = "xla", interpret: bool | None = None,
+):
+    """Causal depthwise conv + SiLU over x [B, T, C] from the window lines[read_row, offset:] of
+    lines [N, L, C]; the new window goes to lines[write_row]. Returns (y [B, T, C], lines)."""
+    args = (x, lines, weight, read_row, offset, write_row, has_state, num_valid)
+    pallas, interpret = _use_pallas(implementation, interpret)
+    if pallas:
+        return conv_update_pallas(*args, mode=mode, interpret=interpret)
+    return reference.conv_update(*args, mode=mode)

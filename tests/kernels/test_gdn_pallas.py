@@ -1,0 +1,305 @@
+"""Pallas Gated DeltaNet kernels vs the pure-JAX references (pallas_kernels/gated_delta/reference.py).
+
+On CPU the kernels run in interpret mode on small heads (dk = dv = 16); on a GPU the same checks
+compile them with Triton on Qwen shapes (dk = dv = 128, HK = 16, HV = 16/32/48). Outputs are
+compared by relative RMS, rms(a - b) / rms(b): < 1e-5 for float32 inputs and < 5e-3 for bfloat16
+inputs (the state stays float32). Pools are compared on every slot but the null slot 0 (padding
+rows all write there, in an unspecified order); conv lines must match exactly.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import ops
+from pallas_kernels.gated_delta import api
+from pallas_kernels.gated_delta import reference as R
+from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
+from pallas_kernels.gated_delta.conv import conv_update_pallas
+from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 5e-3}
+SMALL = {"hk": 2, "dk": 16, "dv": 16}  # interpret-mode heads: HV = 2 r
+QWEN = {"hk": 16, "dk": 128, "dv": 128}  # GPU heads: HV = 16 r (Qwen3.5-2B / Next / 27B for r = 1 / 2 / 3)
+
+verify_ref = jax.jit(R.gdn_verify)
+prefill_ref = jax.jit(R.gdn_prefill, static_argnames="chunk_size")
+conv_ref = jax.jit(R.conv_update, static_argnames="mode")
+verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v"))
+prefill_pallas = jax.jit(gdn_prefill_pallas, static_argnames=("chunk_size", "interpret", "block_v"))
+conv_pallas = jax.jit(conv_update_pallas, static_argnames=("mode", "interpret", "block_c", "block_t"))
+
+
+def rel_rms(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+
+
+def assert_close(got, want, dtype):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    assert rel_rms(got, want) < RTOL[dtype]
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def gdn_inputs(rng, num_valid, T, *, hk, hv, dk, dv, dtype, gates="normal"):
+    """q, k [B, T, hk, dk] (normalised, q scaled), v [B, T, hv, dv], beta [B, T, hv] in dtype and
+    g [B, T, hv] float32. Tokens t >= num_valid[b] hold garbage that only masking keeps out."""
+    B = len(num_valid)
+    q = np.array(R.l2norm(rng.standard_normal((B, T, hk, dk)))) * dk**-0.5
+    k = np.array(R.l2norm(rng.standard_normal((B, T, hk, dk))))
+    v = rng.standard_normal((B, T, hv, dv))
+    if gates == "normal":
+        g, beta = np.log(_sigmoid(rng.standard_normal((B, T, hv)))), _sigmoid(rng.standard_normal((B, T, hv)))
+    else:  # half the tokens forget everything, half keep everything; beta near 1
+        g = np.where(rng.random((B, T, hv)) < 0.5, -50.0, -1e-7)
+        beta = 1.0 - rng.uniform(0.0, 1e-4, (B, T, hv))
+    for b, n in enumerate(num_valid):
+        q[b, n:], k[b, n:], v[b, n:] = 10.0, -10.0, 1e3
+        g[b, n:], beta[b, n:] = 5.0, 3.0
+    cast = lambda x: jnp.asarray(np.asarray(x, np.float32), dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), jnp.asarray(g, jnp.float32), cast(beta)
+
+
+def i32(*xs):
+    return jnp.asarray(xs, jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verify / decode recurrence
+# ----------------------------------------------------------------------------------------------
+
+
+def check_verify(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
+    """Rows: request A (all T tokens valid), B (T - 2 valid), C (fresh, has_state False), padding.
+    Round 1 reads slots holding junk states; round 2 runs once per acceptance count a = 1..T, with
+    A reading its snapshot base_A + a - 1 (B and C likewise, clipped to their valid tokens)."""
+    rng = np.random.default_rng(seed)
+    T, hv = 1 + k, hk * r
+    bases = [1, 1 + T, 1 + 2 * T]  # engine slots 1..3 own state slots base .. base + T - 1
+    num_valid = [T, max(1, T - 2), T, 0]
+    pool = jnp.asarray(rng.standard_normal((1 + 3 * T, hv, dk, dv)) * 0.5, jnp.float32)
+    write = jnp.asarray([[b + t for t in range(T)] for b in bases] + [[0] * T], jnp.int32)
+    has_state = jnp.asarray([True, True, False, False])
+    heads = {"hk": hk, "hv": hv, "dk": dk, "dv": dv, "dtype": dtype}
+    kw = {"interpret": interpret, "block_v": block_v}
+
+    def both(inputs, read, has):
+        args = (*inputs, pool, read, write, has, i32(*num_valid))
+        got, want = verify_pallas(*args, **kw), verify_ref(*args)
+        assert_close(got[0], want[0], dtype)
+        assert_close(got[1][1:], want[1][1:], dtype)
+        assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
+        return want[1]
+
+    pool = both(gdn_inputs(rng, num_valid, T, **heads), i32(bases[0] + T - 1, bases[1], 0, 0), has_state)
+    inputs = gdn_inputs(rng, num_valid, T, **heads)
+    for a in range(1, T + 1):
+        read = i32(*(base + min(a, n) - 1 for base, n in zip(bases, num_valid[:3], strict=True)), 0)
+        both(inputs, read, jnp.asarray([True, True, True, False]))
+
+
+# Each (k, r) point is one compile; the pairs cover every k and every GVA ratio.
+VERIFY_CASES = [(0, 1), (1, 2), (3, 3), (7, 1), (15, 2)]
+
+
+@pytest.mark.parametrize(("k", "r"), VERIFY_CASES)
+def test_verify_interpret_float32(k, r):
+    check_verify(k, k=k, r=r, dtype=jnp.float32, interpret=True, block_v=8, **SMALL)
+
+
+@pytest.mark.parametrize(("k", "r"), [(3, 2), (7, 3)])
+def test_verify_interpret_bfloat16(k, r):
+    check_verify(100 + k, k=k, r=r, dtype=jnp.bfloat16, interpret=True, **SMALL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked prefill
+# ----------------------------------------------------------------------------------------------
+
+
+def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="normal", hk, dk, dv):
+    """Rows: fresh full row (slot 1), a continuation of chunk + 1 tokens (reads 2, writes 3), one of
+    exactly one chunk (slot 4), a padding row; slot 5 must stay untouched."""
+    rng = np.random.default_rng(seed)
+    hv = hk * r
+    num_valid = [T, min(T, chunk + 1), min(T, chunk), 0]
+    inputs = gdn_inputs(rng, num_valid, T, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, gates=gates)
+    pool = jnp.asarray(rng.standard_normal((6, hv, dk, dv)) * 0.5, jnp.float32)
+    args = (*inputs, pool, i32(1, 2, 4, 0), i32(1, 3, 4, 0), jnp.asarray([False, True, True, True]), i32(*num_valid))
+    got = prefill_pallas(*args, chunk_size=chunk, interpret=interpret, block_v=block_v)
+    want = prefill_ref(*args, chunk_size=chunk)
+    assert_close(got[0], want[0], dtype)
+    assert_close(got[1][1:], want[1][1:], dtype)
+    np.testing.assert_array_equal(got[1][5], pool[5])
+    assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
+
+
+# T = 40 with chunk 16: rows of 40 (3 chunks, the last partial), 17 and 16 valid tokens.
+PREFILL_CASES = [(40, 16, 1), (33, 16, 3), (70, 64, 2)]
+
+
+@pytest.mark.parametrize(("T", "chunk", "r"), PREFILL_CASES)
+def test_prefill_interpret_float32(T, chunk, r):
+    check_prefill(T + r, T=T, chunk=chunk, r=r, dtype=jnp.float32, interpret=True, **SMALL)
+
+
+def test_prefill_interpret_bfloat16():
+    check_prefill(5, T=40, chunk=16, r=2, dtype=jnp.bfloat16, interpret=True, **SMALL)
+
+
+def test_prefill_interpret_extreme_gates():
+    """g in {-50, ~0}, beta ~ 1: the explicit (I + A)^-1 must stay as exact as the reference's solve."""
+    check_prefill(6, T=40, chunk=16, r=1, dtype=jnp.float32, interpret=True, gates="extreme", **SMALL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Conv
+# ----------------------------------------------------------------------------------------------
+
+
+def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=64):
+    """Rows: in-place row with a window offset, a fresh row writing another line (per-slot draft
+    windows), a padding row (negative offset), a row whose offset is clamped into the line."""
+    rng = np.random.default_rng(seed)
+    K = 4
+    line_len = K - 1 + k_max
+    x = jnp.asarray(rng.standard_normal((4, T, channels)), dtype)
+    lines = jnp.asarray(rng.standard_normal((6, line_len, channels)), dtype)
+    weight = jnp.asarray(rng.standard_normal((K, channels)), jnp.float32)
+    args = (
+        x, lines, weight,
+        i32(1, 2, 0, 4),  # read_row
+        i32(min(2, k_max), 0, -1, k_max + 5),  # offset
+        i32(1, 3, 0, 4),  # write_row
+        jnp.asarray([True, False, True, True]),  # has_state
+        i32(T, max(T - 1, 0), 0, 1),  # num_valid
+    )
+    y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, block_t=block_t)
+    y_ref, lines_ref = conv_ref(*args, mode=mode)
+    assert y.dtype == y_ref.dtype
+    assert_close(y.astype(jnp.float32), y_ref.astype(jnp.float32), dtype)
+    np.testing.assert_array_equal(new_lines[1:], lines_ref[1:])
+
+
+# (mode, T, k_max): decode, verify k = 3 and k = 15, a short and a multi-tile prefill.
+CONV_CASES = [("verify", 1, 3), ("verify", 4, 3), ("verify", 16, 15), ("prefill", 2, 3), ("prefill", 37, 3)]
+
+
+@pytest.mark.parametrize(("mode", "T", "k_max"), CONV_CASES)
+def test_conv_interpret_float32(mode, T, k_max):
+    check_conv(T, mode=mode, T=T, k_max=k_max, channels=16, dtype=jnp.float32, interpret=True, block_c=8, block_t=16)
+
+
+@pytest.mark.parametrize("mode", ["verify", "prefill"])
+def test_conv_interpret_bfloat16(mode):
+    check_conv(7, mode=mode, T=4, k_max=3, channels=16, dtype=jnp.bfloat16, interpret=True, block_c=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch, and the Triton lowering itself (checked on CPU by lowering for CUDA)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_api_dispatch():
+    rng = np.random.default_rng(9)
+    inputs = gdn_inputs(rng, [2, 1], 2, hk=2, hv=4, dk=16, dv=16, dtype=jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((5, 4, 16, 16)), jnp.float32)
+    step = (i32(1, 3), i32([1, 2], [3, 4]), jnp.asarray([True, False]), i32(2, 1))
+    want = api.gdn_verify(*inputs, pool, *step, implementation="xla")
+    got = api.gdn_verify(*inputs, pool, *step, implementation="pallas", interpret=None if not ON_GPU else False)
+    assert_close(got[0], want[0], jnp.float32)
+    assert_close(got[1][1:], want[1][1:], jnp.float32)
+    with pytest.raises(ValueError, match="implementation"):
+        api.gdn_verify(*inputs, pool, *step, implementation="cuda")
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_ops_route_through_the_switch(kernels):
+    """jaxspec.ops runs a pallas_call exactly when kernels="pallas" (tracing only; parity is above)."""
+    B, T, hk, hv, d, C = 2, 3, 2, 4, 16, 2 * 2 * 16 + 4 * 16
+    s = jax.ShapeDtypeStruct
+    qkv = [s((B, T, hk, d), jnp.float32)] * 2 + [s((B, T, hv, d), jnp.float32)] + [s((B, T, hv), jnp.float32)] * 2
+    pool, idx, flags = s((5, hv, d, d), jnp.float32), s((B,), jnp.int32), s((B,), jnp.bool_)
+    calls = {
+        "verify": (ops.gdn_verify, (*qkv, pool, idx, s((B, T), jnp.int32), flags, idx), {}),
+        "prefill": (ops.gdn_prefill, (*qkv, pool, idx, idx, flags, idx), {}),
+        "conv": (ops.conv_update, (s((B, T, C), jnp.float32), s((3, 6, C), jnp.float32), s((4, C), jnp.float32),
+                                   idx, idx, idx, flags, idx), {"mode": "verify"}),
+    }
+    for fn, args, kw in calls.values():
+        jaxpr = str(jax.make_jaxpr(lambda *a, fn=fn, kw=kw: fn(*a, **kw, kernels=kernels))(*args))
+        assert ("pallas_call" in jaxpr) == (kernels == "pallas")
+
+
+def _lower_for_cuda(fn, *shapes):
+    """Lower fn for CUDA from a CPU host: runs every Pallas -> Triton lowering rule (shapes that
+    are not powers of two, dot sizes, unsupported primitives) without a GPU; returns the HLO text."""
+    traced = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+    try:
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+    except TypeError:  # the keyword moved
+        pytest.skip("this jax cannot lower for another platform")
+    except RuntimeError as e:  # jax >= 0.11 asks the local GPU for its compute capability
+        if "No supported GPU" not in str(e):
+            raise
+        pytest.skip("this jax needs a GPU (or an abstract one) to lower Triton kernels")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile these kernels for real")
+@pytest.mark.parametrize("r", [1, 3])
+def test_kernels_lower_to_triton_for_qwen_shapes(r):
+    B, T, hk, hv, d, S, bf, f32, i = 4, 8, 16, 16 * r, 128, 33, jnp.bfloat16, jnp.float32, jnp.int32
+    qkv = [((B, T, hk, d), f32), ((B, T, hk, d), f32), ((B, T, hv, d), bf), ((B, T, hv), f32), ((B, T, hv), f32)]
+    step = [((S, hv, d, d), f32), ((B,), i), ((B, T), i), ((B,), jnp.bool_), ((B,), i)]
+    assert "triton" in _lower_for_cuda(gdn_verify_pallas, *qkv, *step)
+    step[2] = ((B,), i)
+    qkv = [((B, 100, *s[2:]), dt) for s, dt in qkv]  # 2 chunks of 64, the second partial
+    assert "triton" in _lower_for_cuda(gdn_prefill_pallas, *qkv, *step)
+    C = 2 * hk * d + hv * d
+    for mode, T in (("verify", 4), ("prefill", 100)):
+        conv = [((B, T, C), bf), ((1 + B, 3 + 15, C), bf), ((4, C), bf), *[((B,), i)] * 3, ((B,), jnp.bool_), ((B,), i)]
+        assert "triton" in _lower_for_cuda(lambda *a, m=mode: conv_update_pallas(*a, mode=m), *conv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled Triton on a GPU: the same checks on Qwen shapes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas (Triton) needs a GPU")
+class TestPallasGPU:
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("k", [0, 1, 3, 7, 15])
+    @pytest.mark.parametrize("r", [1, 2, 3])
+    def test_verify(self, dtype, k, r):
+        check_verify(k * 10 + r, k=k, r=r, dtype=dtype, interpret=False, **QWEN)
+
+    @pytest.mark.parametrize("block_v", [16, 64, 128])
+    def test_verify_block_v(self, block_v):
+        check_verify(3, k=3, r=2, dtype=jnp.bfloat16, interpret=False, block_v=block_v, **QWEN)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
+    @pytest.mark.parametrize("r", [1, 2, 3])
+    def test_prefill(self, dtype, T, r):
+        check_prefill(T + r, T=T, chunk=64, r=r, dtype=dtype, interpret=False, **QWEN)
+
+    @pytest.mark.parametrize(("chunk", "block_v"), [(16, 16), (32, 64), (64, 128)])
+    def test_prefill_blocks(self, chunk, block_v):
+        check_prefill(7, T=130, chunk=chunk, r=2, dtype=jnp.bfloat16, interpret=False, block_v=block_v, **QWEN)
+
+    def test_prefill_extreme_gates(self):
+        check_prefill(8, T=130, chunk=64, r=3, dtype=jnp.float32, interpret=False, gates="extreme", **QWEN)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize(("mode", "T", "k_max"), CONV_CASES + [("prefill", 300, 3)])
+    @pytest.mark.parametrize("hv", [16, 48])
+    def test_conv(self, dtype, mode, T, k_max, hv):
+        check_conv(T, mode=mode, T=T, k_max=k_max, channels=2 * 16 * 128 + hv * 128, dtype=dtype, interpret=False)
