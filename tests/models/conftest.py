@@ -26,6 +26,10 @@ VARIANTS = {
     "qwen3_5_moe": ("qwen3_5_moe", dict()),
     "qwen3_next-gva2": ("qwen3_next", dict()),
     "qwen3_next-gva3-tied": ("qwen3_next", dict(linear_num_value_heads=6, tie_word_embeddings=True)),
+    # Triton dots need power-of-two head dims >= 16: the Pallas runs use dk = dv = 16.
+    "qwen3_5-gva2-d16": ("qwen3_5", dict(linear_key_head_dim=16, linear_value_head_dim=16)),
+    "qwen3_next-gva3-d16": ("qwen3_next", dict(linear_num_value_heads=6, linear_key_head_dim=16,
+                                               linear_value_head_dim=16, tie_word_embeddings=True)),
 }
 
 
