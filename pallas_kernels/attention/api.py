@@ -4,6 +4,7 @@ Models call this through `jaxspec/ops.py`; the KV write is shared by both implem
 """
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.attention.kernel import ignore_triton_deprecation, paged_attention_pallas
 from pallas_kernels.attention.reference import paged_attention as paged_attention_xla
@@ -37,5 +38,36 @@ def paged_attention(
     if implementation == "pallas":
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        return paged_attention_pallas(*args, scale=scale, interpret=interpret)
+        return _pallas_in_span_blocks(*args, scale=scale, interpret=interpret)
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+
+
+# The kernel keeps a float32 accumulator of (span x GQA group) rows x head_dim; long spans (prefill
+# chunks) are cut into query blocks so it stays inside shared memory (about 227 KiB on an H200;
+# 64 tokens x 4 heads x 256 dims alone needed 256 KiB). Each block is the same causal problem with
+# its start position advanced, so the result is unchanged.
+MAX_ACC_BYTES = 64 * 1024
+
+
+def span_block(span: int, group: int, head_dim: int, max_acc_bytes: int = MAX_ACC_BYTES) -> int:
+    """Query tokens per kernel call: the largest power of two whose accumulator fits."""
+    block = 1
+    while block * 2 <= span and block * 2 * group * head_dim * 4 <= max_acc_bytes:
+        block *= 2
+    return block
+
+
+def _pallas_in_span_blocks(q, k_pages, v_pages, block_tables, start_pos, num_valid, *, scale, interpret,
+                           max_acc_bytes: int = MAX_ACC_BYTES):
+    span, nh, d = q.shape[1], q.shape[2], q.shape[3]
+    block = span_block(span, nh // k_pages.shape[2], d, max_acc_bytes)
+    if block >= span:
+        return paged_attention_pallas(q, k_pages, v_pages, block_tables, start_pos, num_valid, scale=scale,
+                                      interpret=interpret)
+    outs = []
+    for t0 in range(0, span, block):  # static loop over query blocks
+        t1 = min(t0 + block, span)
+        valid = jnp.clip(num_valid - t0, 0, t1 - t0)
+        outs.append(paged_attention_pallas(q[:, t0:t1], k_pages, v_pages, block_tables, start_pos + t0, valid,
+                                           scale=scale, interpret=interpret))
+    return jnp.concatenate(outs, axis=1)

@@ -218,3 +218,22 @@ class TestPallasGPU:
         pallas_vs_reference(
             6, k=k, group=4, n_kv=8, head_dim=128, page_size=16, dtype=dtype, interpret=False, starts=(100, 517, 33)
         )
+
+
+def test_long_spans_run_in_query_blocks():
+    """A span longer than the accumulator budget is cut into query blocks with the same result."""
+    from pallas_kernels.attention import api
+
+    assert api.span_block(64, 4, 256) == 16 and api.span_block(1, 4, 256) == 1 and api.span_block(8, 1, 16) == 8
+    rng = np.random.default_rng(3)
+    R, T, nh, nkv, D, page, P = 2, 12, 4, 2, 16, 4, 6
+    q = jnp.asarray(rng.standard_normal((R, T, nh, D)), jnp.float32)
+    kp = jnp.asarray(rng.standard_normal((1 + R * P, page, nkv, D)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((1 + R * P, page, nkv, D)), jnp.float32)
+    tables = jnp.asarray(1 + np.arange(R * P).reshape(R, P), jnp.int32)
+    start, valid = jnp.array([5, 0], jnp.int32), jnp.array([T, 7], jnp.int32)
+    ref = api.paged_attention(q, kp, vp, tables, start, valid, scale=D ** -0.5, implementation="xla")
+    got = api._pallas_in_span_blocks(q, kp, vp, tables, start, valid, scale=D ** -0.5, interpret=True,
+                                     max_acc_bytes=2 * 2 * D * 4)  # two tokens per block
+    mask = (np.arange(T)[None, :] < np.asarray(valid)[:, None])[..., None, None]
+    np.testing.assert_allclose(np.asarray(got) * mask, np.asarray(ref) * mask, rtol=1e-5, atol=1e-5)
