@@ -66,9 +66,11 @@ def check_budget(plan: dict[str, int], budget: int | None) -> None:
     needed = sum(plan.values())
     if needed > budget:
         parts = ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in plan.items())
+        largest = max(plan, key=plan.get)
         raise MemoryBudgetError(
             f"memory plan needs {needed} bytes ({needed / 2**30:.2f} GiB) but only {budget} bytes "
-            f"({budget / 2**30:.2f} GiB) are available ({parts}); lower max_num_seqs, max_model_len, "
+            f"({budget / 2**30:.2f} GiB) are available; the largest component is {largest} "
+            f"({plan[largest]} bytes) of {parts}; lower max_num_seqs, max_model_len, "
             f"the number of speculative tokens, or num_pages")
 
 

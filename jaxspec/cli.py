@@ -24,7 +24,8 @@ def _positive(name: str):
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
-                   help="HF checkpoint directory, a jaxspec.save directory, or demo[:family] (default: demo)")
+                   help="HF checkpoint directory, a jaxspec.save directory, demo (trained Qwen3.5), demo-draft, "
+                        "or demo:<family> (random weights) (default: demo)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="parameter and activation dtype (auto = the checkpoint's)")
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"],
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", default=None, help="draft model path or demo name (--speculative draft_model)")
     gen.add_argument("--replay-alpha", type=float, default=0.8,
                      help="replay drafter acceptance control in [0, 1] (--speculative replay)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as one user chat message, rendered with the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     gen.add_argument("--verbose", action="store_true",
                      help="report start-up: load time, time to first token, compilations vs cache loads")
@@ -110,7 +113,7 @@ def _cmd_generate(args) -> int:
     with count_compiles() as compiles:
         model = _load(args, k_values=(args.k,) if args.speculative else ())
         loaded = time.perf_counter()
-        prompts = list(args.prompt)
+        prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else list(args.prompt)
         spec = _speculative(args, model, prompts)
         stream = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=spec, stream=True)
@@ -126,7 +129,7 @@ def _cmd_generate(args) -> int:
         text = model.tokenizer.decode(ids) if model.tokenizer is not None else " ".join(map(str, ids))
         if len(outputs) > 1:
             print(f"--- [{i}]")
-        print(prompts[i] + text)
+        print(text if args.chat else prompts[i] + text)  # a chat prints the reply only
     stats = getattr(stream, "stats", None)
     if stats is not None:
         print(f"[jaxspec] {stats.summary()}", file=sys.stderr)

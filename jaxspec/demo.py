@@ -1,7 +1,17 @@
-"""Built-in demo models: small configs per family with deterministic, seeded random weights, so the
-main job runs without any checkpoint. Weights follow docs/architecture.md."""
+"""Built-in demo models.
+
+- "demo" / "demo-draft": the trained demo pair shipped as package data in jaxspec/demo_models/
+  (a Qwen3.5-architecture target with an MTP head and a small draft of the same family, trained on
+  the Python standard library by tools/train_demo.py). Every file is checked against the shipped
+  SHA256SUMS at load; missing or modified files are an error, never a silent fallback.
+- "demo:<family>" (alias "demo:random-<family>"): small configs per family with deterministic,
+  seeded random weights and a byte tokenizer, so the main job runs without any checkpoint.
+Weights follow docs/architecture.md."""
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +38,67 @@ DEMO_HF_CONFIGS = {
     "qwen3_next": dict(model_type="qwen3_next", norm_topk_prob=True, **_BASE, **_HYBRID, **_MOE),
 }
 DEFAULT_DEMO = "qwen3_5"
+
+TRAINED_ROOT = Path(__file__).resolve().parent / "demo_models"  # package data (pyproject package-data)
+TRAINED_DEMOS = {"demo": "target", "demo-draft": "draft"}  # name -> subdirectory of TRAINED_ROOT
+SUMS_FILE = "SHA256SUMS"
+RANDOM_PREFIX = "random-"
+
+
+class DemoModelError(RuntimeError):
+    """The shipped demo checkpoint is missing or does not match its SHA256SUMS."""
+
+
+def random_demo_family(name: str) -> str:
+    """"demo:<family>" or "demo:random-<family>" -> the family (validated)."""
+    family = name.split(":", 1)[1]
+    family = family[len(RANDOM_PREFIX):] if family.startswith(RANDOM_PREFIX) else family
+    demo_config(family)
+    return family
+
+
+def _read_sums(root: Path) -> dict[str, str]:
+    """SHA256SUMS (sha256sum format: "<hex>  <relative path>" per line) -> {path: hex}."""
+    path = root / SUMS_FILE
+    if not path.is_file():
+        raise DemoModelError(f"{path} is missing: the trained demo models are not installed (a jaxspec "
+                             f"installed without its package data?); reinstall jaxspec, or use 'demo:<family>' "
+                             f"for a random-weight demo")
+    sums = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(None, 1)
+            sums[name.strip().lstrip("*")] = digest.lower()
+    return sums
+
+
+def verify_trained_dir(root: Path, sub: str) -> Path:
+    """Check every file of root/sub against root/SHA256SUMS (each listed file present with its
+    digest, no unlisted file). Returns root/sub; raises DemoModelError naming the file."""
+    sums = {name: d for name, d in _read_sums(root).items() if name.startswith(sub + "/")}
+    directory = root / sub
+    if not sums:
+        raise DemoModelError(f"{root / SUMS_FILE} lists no files under {sub}/")
+    present = {p.relative_to(root).as_posix() for p in directory.rglob("*") if p.is_file()}
+    for name, digest in sorted(sums.items()):
+        if name not in present:
+            raise DemoModelError(f"demo model file {root / name} is missing; reinstall jaxspec")
+        actual = hashlib.sha256((root / name).read_bytes()).hexdigest()
+        if actual != digest:
+            raise DemoModelError(f"demo model file {root / name} has SHA-256 {actual}, but {SUMS_FILE} "
+                                 f"says {digest}: the file is corrupt or was modified; reinstall jaxspec")
+    extra = sorted(present - set(sums))
+    if extra:
+        raise DemoModelError(f"{root / extra[0]} is not listed in {root / SUMS_FILE}; the demo model "
+                             f"directory was modified; reinstall jaxspec")
+    return directory
+
+
+def trained_demo_dir(name: str) -> Path:
+    """The verified checkpoint directory of "demo" (the target) or "demo-draft"."""
+    if name not in TRAINED_DEMOS:
+        raise ValueError(f"{name=} is not a trained demo; valid: {', '.join(TRAINED_DEMOS)}")
+    return verify_trained_dir(TRAINED_ROOT, TRAINED_DEMOS[name])
 
 
 def demo_config(family: str) -> ModelConfig:

@@ -138,7 +138,8 @@ class Engine:
     def acquire_slot(self, slot: int | None = None) -> int:
         """Take a free slot (a specific one when a draft engine mirrors its target's slot)."""
         if not self.free_slots or (slot is not None and slot not in self.free_slots):
-            raise RuntimeError(f"request slot {slot} is not free")
+            which = "no request slot is free" if slot is None else f"request slot {slot} is not free"
+            raise RuntimeError(f"{which}; free slots: {sorted(self.free_slots)} of 1..{self.ecfg.max_num_seqs}")
         slot = self.free_slots.pop() if slot is None else slot
         if slot in self.free_slots:
             self.free_slots.remove(slot)

@@ -11,8 +11,11 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import jax
+
 from jaxspec import sampling
 from jaxspec.engine import Row
+from jaxspec.tokenizer import is_conversation
 
 
 @dataclass
@@ -104,20 +107,22 @@ class GenerateResult:
 
 
 def _tokenize(model, prompts) -> list[list[int]]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or is_conversation(prompts):  # one prompt, or one chat
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a str, a non-empty list of str or a list of token-id lists; got {prompts!r}")
+        raise ValueError(f"prompts must be a str, a non-empty list of str, a list of token-id lists or chat "
+                         f"messages; got {prompts!r}")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
+        if isinstance(p, str) or is_conversation(p):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            ids = model.tokenizer.encode(p)
+            # a chat is rendered with the model's chat template, then tokenized like text
+            ids = model.tokenizer.encode(p if isinstance(p, str) else model.tokenizer.apply_chat_template(p))
         elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
             ids = list(p)
         else:
-            raise ValueError(f"prompts[{i}]={p!r} must be a str or a list of int token ids")
+            raise ValueError(f"prompts[{i}]={p!r} must be a str or a list of int token ids (or chat messages)")
         if not ids:
             raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
@@ -225,14 +230,38 @@ def _events(model, requests, speculative, stats):
     return speculative_events(model, requests, speculative, stats)
 
 
+def _step_events(model, requests, speculative, stats, eager: bool):
+    events = _events(model, requests, speculative, stats)
+    return _op_by_op(events) if eager else events
+
+
+def _op_by_op(events):
+    """Run every step of `events` without jit (jax.disable_jit), the analogue of "CUDA graphs off":
+    the same prefill / decode / speculative round, op by op, for A/B correctness checks."""
+    try:
+        while True:
+            with jax.disable_jit():
+                event = next(events, None)
+            if event is None:
+                return
+            yield event
+    finally:
+        events.close()
+
+
 def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | list[int] = 0, stop_token_ids=None, speculative=None,
-             stream: bool = False):
+             stream: bool = False, eager: bool = False):
     """Generate continuations for one prompt or many.
 
-    prompts: a str, a list of str, or a list of token-id lists. Returns a GenerateResult with
+    prompts: a str, a list of str, a list of token-id lists, or chat messages: one conversation
+    ([{"role": "user", "content": "..."}]) or a list of conversations, rendered with the model's chat
+    template (with the generation prompt) and then tokenized. Returns a GenerateResult with
     .token_ids (generated ids per prompt), .texts (when the model has a tokenizer) and .stats; with
-    stream=True returns an iterator of (request index, new token ids) in production order.
+    stream=True returns an iterator of (request index, new token ids) in production order, with
+    .stats and .close(); a stream left half-read is ended (its slots freed) by the model's next
+    generate or score call.
+    eager=True runs every step op by op instead of through the compiled executables (slow; for A/B).
     Requests beyond max_num_seqs wait for a free slot. Random numbers are keyed by (seed, request
     index, position), so a prompt's sample does not depend on what else is in the batch.
     """
@@ -244,10 +273,10 @@ def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 
     end_open_streams(model)
     stats = GenerateStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
     if stream:
-        events = GenerateStream(_timed(_events(model, requests, speculative, stats), stats), stats)
+        events = GenerateStream(_timed(_step_events(model, requests, speculative, stats, eager), stats), stats)
         model._streams.add(events)
         return events
-    for _ in _timed(_events(model, requests, speculative, stats), stats):
+    for _ in _timed(_step_events(model, requests, speculative, stats, eager), stats):
         pass
     texts = None
     if model.tokenizer is not None:

@@ -2,8 +2,9 @@
 
 A model comes from (a) a Hugging Face checkpoint directory (config.json + *.safetensors, optional
 tokenizer.json / generation_config.json), (b) a directory written by `jaxspec.save` (config.json +
-orbax params; faster to reload than re-converting), or (c) a built-in demo name ("demo",
-"demo:<family>").
+orbax params; faster to reload than re-converting), or (c) a built-in demo name: "demo" /
+"demo-draft" (the trained demo pair, package data checked against its SHA256SUMS) or
+"demo:<family>" = "demo:random-<family>" (seeded random weights, byte tokenizer).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxspec import cache, demo, ops, weights
 from jaxspec import compile as compile_cache
-from jaxspec import demo, ops, weights
 from jaxspec import tokenizer as tok
 from jaxspec.config import ConfigError, EngineConfig, ModelConfig
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # what weights.hf_to_params converts to
 _SAVED_MARKER = "jaxspec.json"
 
 
@@ -41,6 +43,7 @@ class Model:
     request_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
     max_num_speculative_tokens: int = 0  # sizes GDN state slots; 0 = sized by each call's k
     k_mode: str = "per_k"  # "per_k": one round executable per k; "pad_to_max": pad drafts to the max k
+    memory_budget: int | None = None  # bytes for weights + caches; None = what the device reports
     hf_config: dict = field(default_factory=dict)
     _engines: dict = field(default_factory=dict, repr=False)
     _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)  # open streams
@@ -65,9 +68,18 @@ class Model:
         from jaxspec.engine import Engine
 
         if ecfg not in self._engines:
+            check_memory(self, ecfg)  # a refused configuration keeps the current engine
             self._engines.clear()
             self._engines[ecfg] = Engine(self, ecfg)
         return self._engines[ecfg]
+
+
+def check_memory(model: Model, ecfg: EngineConfig) -> None:
+    """Raise cache.MemoryBudgetError when weights + caches for ecfg exceed the model's budget."""
+    from jaxspec.engine import memory_plan
+
+    budget = model.memory_budget if model.memory_budget is not None else cache.device_memory_bytes()
+    cache.check_budget(memory_plan(model, ecfg), budget)
 
 
 def _resolve_dtype(dtype: str, cfg: ModelConfig):
@@ -99,7 +111,7 @@ def _read_config(path: Path) -> dict:
 
 
 def _load_demo(name: str, dtype: str):
-    family = name.split(":", 1)[1] if ":" in name else demo.DEFAULT_DEMO
+    family = demo.random_demo_family(name)
     cfg = demo.demo_config(family)
     jdtype = _resolve_dtype(dtype, cfg)
     params = demo.init_params(cfg, seed=0, dtype=jdtype)
@@ -112,12 +124,16 @@ def _load_dir(path: Path, dtype: str):
     eos = tok.eos_token_ids(path, hf_config)
     if eos:
         cfg = cfg.replace(eos_token_ids=tuple(eos))
+    saved = json.loads((path / _SAVED_MARKER).read_text()) if (path / _SAVED_MARKER).is_file() else None
+    if saved and dtype == "auto":
+        dtype = saved.get("dtype", dtype)  # the dtype the model had when saved, not config.json's
     jdtype = _resolve_dtype(dtype, cfg)
     tokenizer = tok.load_tokenizer(path, hf_config)
-    if (path / _SAVED_MARKER).is_file():
-        saved = json.loads((path / _SAVED_MARKER).read_text())
+    if saved:
         params = weights.restore_params(path)
-        params = jax.tree_util.tree_map(lambda x: x.astype(jdtype) if x.dtype != jdtype else x, params)
+        # Through the host, like hf_to_params: orbax restores device-committed arrays, which jit keys
+        # apart from the uncommitted ones of every other load path (a reloaded model would recompile).
+        params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x).astype(jdtype, copy=False)), params)
         if saved.get("tokenizer") == "byte":
             tokenizer = tok.ByteTokenizer(cfg.vocab_size)
     else:
@@ -130,14 +146,18 @@ K_MODES = ("per_k", "pad_to_max")
 
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
-         k_mode: str = "per_k", cache_dir: str | Path | None = "default") -> Model:
-    """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo[:family]").
+         k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None) -> Model:
+    """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
+    "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
     max_num_speculative_tokens: the largest k this model will verify (sizes the 1+k GDN state slots
     per request); 0 sizes the caches by each generate call's k. k_mode: "per_k" compiles one verify
     per k, "pad_to_max" verifies every k with the max-k executable and masked draft tails.
     cache_dir: the persistent XLA compilation cache ("default" = $JAXSPEC_CACHE_DIR or the user
     cache dir; None = off). It is process-wide and enabled before anything is compiled.
+    memory_budget: bytes the weights plus the caches may use (None = the device's limit, where it
+    reports one); an engine that would exceed it is refused before its caches are allocated, with
+    cache.MemoryBudgetError naming the largest component. The plain-decoding engine is checked here.
     """
     ops.resolve_kernels(kernels)  # validate early
     if k_mode not in K_MODES:
@@ -146,25 +166,32 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
         raise ValueError(f"max_num_speculative_tokens={max_num_speculative_tokens!r} must be an integer >= 0")
     if k_mode == "pad_to_max" and max_num_speculative_tokens < 1:
         raise ValueError("k_mode='pad_to_max' needs max_num_speculative_tokens >= 1 (the k it pads to)")
+    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
+        raise ValueError(f"memory_budget={memory_budget!r} must be a positive integer (bytes) or None")
     name = str(path_or_name)
-    is_demo = name == "demo" or name.startswith("demo:")
-    if is_demo:
-        demo.demo_config(name.split(":", 1)[1] if ":" in name else demo.DEFAULT_DEMO)  # validates the family
-    elif not Path(path_or_name).is_dir():
+    # "demo" / "demo-draft": the shipped trained checkpoints (an error when missing or modified).
+    path = demo.trained_demo_dir(name) if name in demo.TRAINED_DEMOS else Path(path_or_name)
+    is_random_demo = name.startswith("demo:")
+    if is_random_demo:
+        demo.random_demo_family(name)  # validates the family
+    elif not path.is_dir():
         raise FileNotFoundError(f"model path {name!r} does not exist or is not a directory; "
-                                f"pass a checkpoint directory or 'demo[:family]'")
+                                f"pass a checkpoint directory, 'demo', 'demo-draft' or 'demo[:family]'")
     compile_cache.enable_persistent_cache(cache_dir)  # after validation, before anything compiles
-    if is_demo:
+    if is_random_demo:
         cfg, params, tokenizer, jdtype, hf_config = _load_demo(name, dtype)
     else:
-        cfg, params, tokenizer, jdtype, hf_config = _load_dir(Path(path_or_name), dtype)
+        cfg, params, tokenizer, jdtype, hf_config = _load_dir(path, dtype)
     max_model_len = _validate_sizes(max_model_len, max_num_seqs, cfg)
     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                  prefill_chunk=prefill_chunk)  # validates the sizes
-    return Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,
-                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
-                 page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
-                 k_mode=k_mode)
+    model = Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,
+                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
+                  page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
+                  k_mode=k_mode, memory_budget=memory_budget)
+    if memory_budget is not None:
+        check_memory(model, model.engine_config(max_num_speculative_tokens))  # refuse now, not at generate
+    return model
 
 
 def save(model: Model, directory: str | Path) -> Path:
@@ -174,6 +201,8 @@ def save(model: Model, directory: str | Path) -> Path:
     hf_config = dict(model.hf_config)
     hf_config.setdefault("eos_token_id", list(model.config.eos_token_ids))
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    # The model's effective EOS ids (generation_config.json's, when it had one), where load looks first.
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
     marker = {"format": "orbax", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None}
     if isinstance(model.tokenizer, tok.ByteTokenizer):
         marker["tokenizer"] = "byte"

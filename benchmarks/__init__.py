@@ -1,0 +1,1 @@
+"""Benchmark scripts (run as `python benchmarks/<name>.py --help`); shared pieces live in common.py."""

@@ -1,0 +1,429 @@
+#!/usr/bin/env python
+"""Kernels (issue 6): each Pallas kernel against its XLA reference, and flash-linear-attention's
+fused_recurrent / chunk gated delta rule where `import fla` works, on the Qwen3.5-2B, Qwen3.5-27B
+and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}.
+
+Kernels: gdn_verify (recurrent, T = 1+k, one fp32 state snapshot per token; floor = state read
+once + T snapshots written + q/k/v/o), paged span attention (T = 1+k queries over --context cached
+tokens; reported also as t(1+k) / t(1)), the conv window update (verify mode) and the chunked GDN
+prefill. One jitted call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV
+pages rotated so repeated calls do not just hit the 60 MB L2) and the time is per kernel call.
+fla runs through torch with triton.testing.do_bench (L2 flushed between calls); its recurrent
+kernel writes only the final state, not one snapshot per token, so it is a lower bound on the
+verify's work. GDN kernels are imported lazily: a missing or failing kernel is skipped and the
+reason recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import functools  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import fmt, log  # noqa: E402
+
+# (HK, HV, dk, dv) of the GDN mixers; (nH, nKV, D) of the attention layers.
+GDN_LAYOUTS = {"qwen3.5-2b": (16, 16, 128, 128), "qwen3.5-27b": (16, 48, 128, 128), "qwen3-next": (16, 32, 128, 128)}
+ATTN_LAYOUTS = {"qwen3-4b": (32, 8, 128), "qwen3.5-2b": (8, 2, 256), "qwen3.5-27b": (24, 4, 256),
+                "qwen3-next": (16, 2, 256)}
+SMOKE_GDN = {"demo": (2, 4, 32, 32)}
+SMOKE_ATTN = {"demo": (4, 2, 32)}
+KERNELS = ("gdn_verify", "attention", "conv", "prefill")
+CONV_K, PAGE, KMAX = 4, 16, 15
+L2_BYTES = 256 * 2**20  # rotate inputs until one pass covers this many bytes (L2 is 60 MB)
+
+SMOKE = dict(batches="1", ks="0,3", context=32, prefill_lens="16", prefill_batches="1", reps=2, repeats=3,
+             compile_threads=2, bandwidth_gib=1 / 32)
+
+
+def parse(argv=None):
+    p = common.parser(__doc__.split("\n\n")[0], shapes=False)
+    p.add_argument("--kernels", default=",".join(KERNELS), help="which kernel groups, in this order")
+    p.add_argument("--layouts", default=None, help="GDN / attention layouts (default: all)")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--ks", default="0,3,7,15", help="draft lengths; kernels run T = 1+k")
+    p.add_argument("--context", type=int, default=2048, help="cached tokens for the attention kernel")
+    p.add_argument("--prefill-lens", default="64,512", help="prompt chunk lengths for the prefill kernel")
+    p.add_argument("--prefill-batches", default="1,8")
+    p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
+    p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention comparison")
+    p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
+    p.add_argument("--bandwidth-gib", type=float, default=2.0)
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(**SMOKE)
+    args = p.parse_args(argv)
+    common.check_repeats(args)
+    bad = [k for k in args.kernels.split(",") if k not in KERNELS]
+    if bad:
+        raise SystemExit(f"--kernels: unknown kernel {bad[0]!r}; valid: {', '.join(KERNELS)}")
+    if max(common.int_list(args.ks)) > KMAX:
+        raise SystemExit(f"--ks: k <= {KMAX}")
+    return args
+
+
+def _import(kind: str):
+    """(api module, None) or (None, reason): the GDN kernels may be mid-rewrite."""
+    try:
+        if kind == "attention":
+            from pallas_kernels.attention import api
+        else:
+            from pallas_kernels.gated_delta import api
+        return api, None
+    except Exception as e:
+        return None, f"import failed: {type(e).__name__}: {e}"
+
+
+def _fla():
+    """(fla gated_delta_rule module, None) or (None, reason)."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None, "fla runs on CUDA only (this backend is " + jax.default_backend() + ")"
+    try:
+        import torch
+        from fla.ops import gated_delta_rule
+
+        if not torch.cuda.is_available():
+            return None, "torch sees no CUDA device"
+        return gated_delta_rule, None
+    except Exception as e:
+        return None, f"import fla failed: {type(e).__name__}: {e}"
+
+
+def _rot(per_rep_bytes: int, reps: int) -> int:
+    return max(1, min(reps, math.ceil(L2_BYTES / max(per_rep_bytes, 1))))
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and one-executable-per-config functions
+# ------------------------------------------------------------------------------------------------
+
+
+def _normal(rng, shape, dtype, scale=1.0):
+    import jax.numpy as jnp
+
+    return jnp.asarray((rng.standard_normal(shape, dtype=np.float32) * scale), dtype=dtype)
+
+
+def _gdn_inputs(rng, layout, B: int, T: int, reps: int):
+    """Per-rep q, k (normalised, q scaled), v, g, beta; a pool with one region of T slots per
+    request per rotation; read = base + j (j < T, as num_accepted - 1), write = base + t."""
+    import jax.numpy as jnp
+
+    HK, HV, dk, dv = layout
+    state = HV * dk * dv * 4
+    rot = _rot(B * (1 + T) * state, reps)
+    pool = _normal(rng, (1 + rot * B * T, HV, dk, dv), jnp.float32, 0.1)
+    per = []
+    for r in range(reps):
+        base = 1 + ((r % rot) * B + np.arange(B)) * T  # [B]
+        q, k = (rng.standard_normal((B, T, HK, dk)).astype(np.float32) for _ in range(2))
+        q /= np.linalg.norm(q, axis=-1, keepdims=True) * math.sqrt(dk)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        per.append(dict(q=jnp.asarray(q), k=jnp.asarray(k), v=_normal(rng, (B, T, HV, dv), jnp.bfloat16),
+                        g=jnp.asarray(-np.log1p(np.exp(rng.standard_normal((B, T, HV)))).astype(np.float32)),
+                        beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, HV)))), jnp.float32),
+                        read=jnp.asarray(base + rng.integers(0, T, B), jnp.int32),
+                        write=jnp.asarray(base[:, None] + np.arange(T)[None, :], jnp.int32)))
+    fixed = dict(has=jnp.ones((B,), bool), nv=jnp.full((B,), T, jnp.int32))
+    io = B * T * (2 * HK * dk * 4 + HV * dv * 2 + HV * dv * 4 + 2 * HV * 4)
+    return pool, per, fixed, {"state": B * (1 + T) * state, "io": io, "floor": B * (1 + T) * state + io}, rot
+
+
+def _gdn_verify_fn(api, impl: str, reps: int):
+    import jax
+    import jax.numpy as jnp
+
+    def run(pool, per, fixed):
+        acc = jnp.float32(0)
+        for x in per[:reps]:
+            o, pool = api.gdn_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["read"], x["write"],
+                                     fixed["has"], fixed["nv"], implementation=impl)
+            acc = acc + jnp.sum(o)  # keeps every readout live (no dead-code elimination of o)
+        return pool, acc
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def _gdn_prefill_fn(api, impl: str, reps: int):
+    import jax
+    import jax.numpy as jnp
+
+    def run(pool, per, fixed):
+        acc = jnp.float32(0)
+        for x in per[:reps]:
+            o, pool = api.gdn_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["read"], x["write"][:, 0],
+                                      fixed["has"], fixed["nv"], implementation=impl)
+            acc = acc + jnp.sum(o)
+        return pool, acc
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def _conv_inputs(rng, layout, B: int, T: int, k: int, reps: int):
+    import jax.numpy as jnp
+
+    HK, HV, dk, dv = layout
+    C = 2 * HK * dk + HV * dv
+    line = CONV_K - 1 + KMAX
+    per_req = ((CONV_K - 1) + 2 * T + (CONV_K - 2 + T)) * C * 2
+    rot = _rot(B * per_req, reps)
+    lines = _normal(rng, (1 + rot * B, line, C), jnp.bfloat16)
+    per = []
+    for r in range(reps):
+        rows = jnp.asarray(1 + (r % rot) * B + np.arange(B), jnp.int32)
+        per.append(dict(x=_normal(rng, (B, T, C), jnp.bfloat16), rows=rows,
+                        offset=jnp.asarray(rng.integers(0, k + 1, B), jnp.int32)))
+    fixed = dict(w=_normal(rng, (CONV_K, C), jnp.bfloat16, 0.5), has=jnp.ones((B,), bool),
+                 nv=jnp.full((B,), T, jnp.int32))
+    return lines, per, fixed, {"floor": B * per_req}, rot
+
+
+def _conv_fn(api, impl: str, reps: int):
+    import jax
+    import jax.numpy as jnp
+
+    def run(lines, per, fixed):
+        acc = jnp.float32(0)
+        for x in per[:reps]:
+            y, lines = api.conv_update(x["x"], lines, fixed["w"], x["rows"], x["offset"], x["rows"], fixed["has"],
+                                       fixed["nv"], mode="verify", implementation=impl)
+            acc = acc + jnp.sum(y.astype(jnp.float32))
+        return lines, acc
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def _attn_inputs(rng, layout, B: int, T: int, context: int, reps: int):
+    import jax.numpy as jnp
+
+    nH, nKV, D = layout
+    P = -(-(context + T) // PAGE)
+    kv = B * (context + T) * nKV * D * 2 * 2
+    rot = _rot(kv, reps)
+    pages = [_normal(rng, (1 + rot * B * P, PAGE, nKV, D), jnp.bfloat16) for _ in range(2)]
+    per = []
+    for r in range(reps):
+        first = 1 + ((r % rot) * B + np.arange(B)) * P
+        per.append(dict(q=_normal(rng, (B, T, nH, D), jnp.bfloat16),
+                        tables=jnp.asarray(first[:, None] + np.arange(P)[None, :], jnp.int32)))
+    fixed = dict(start=jnp.full((B,), context, jnp.int32), nv=jnp.full((B,), T, jnp.int32))
+    return pages, per, fixed, {"floor": kv + 2 * B * T * nH * D * 2}, rot
+
+
+def _attn_fn(api, impl: str, reps: int, scale: float):
+    import jax
+    import jax.numpy as jnp
+
+    def run(pages, per, fixed):
+        acc = jnp.float32(0)
+        for x in per[:reps]:
+            o = api.paged_attention(x["q"], pages[0], pages[1], x["tables"], fixed["start"], fixed["nv"],
+                                    scale=scale, implementation=impl)
+            acc = acc + jnp.sum(o.astype(jnp.float32))
+        return acc  # the pages are read only: returning them would copy the pool
+
+    return jax.jit(run)
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver: per kernel group and layout, lower every config, compile in a pool, time
+# ------------------------------------------------------------------------------------------------
+
+
+def _configs(kernel: str, args) -> list[tuple[int, int]]:
+    if kernel == "prefill":
+        return [(B, T) for B in common.int_list(args.prefill_batches) for T in common.int_list(args.prefill_lens)]
+    return [(B, 1 + k) for B in common.int_list(args.batches) for k in common.int_list(args.ks)]
+
+
+def _build(kernel: str, api, layout, B: int, T: int, impl: str, args, rng):
+    """(jitted fn, [state, per, fixed], bytes, rotation) for one config and implementation."""
+    if kernel == "gdn_verify":
+        state, per, fixed, nbytes, rot = _gdn_inputs(rng, layout, B, T, args.reps)
+        return _gdn_verify_fn(api, impl, args.reps), [state, per, fixed], nbytes, rot
+    if kernel == "prefill":
+        state, per, fixed, nbytes, rot = _gdn_inputs(rng, layout, B, T, args.reps)
+        state_only = 2 * B * layout[1] * layout[2] * layout[3] * 4
+        nbytes = {**nbytes, "state": state_only, "floor": state_only + nbytes["io"]}
+        return _gdn_prefill_fn(api, impl, args.reps), [state, per, fixed], nbytes, rot
+    if kernel == "conv":
+        state, per, fixed, nbytes, rot = _conv_inputs(rng, layout, B, T, T - 1, args.reps)
+        return _conv_fn(api, impl, args.reps), [state, per, fixed], nbytes, rot
+    state, per, fixed, nbytes, rot = _attn_inputs(rng, layout, B, T, args.context, args.reps)
+    return _attn_fn(api, impl, args.reps, layout[2] ** -0.5), [state, per, fixed], nbytes, rot
+
+
+def run_layout(kernel: str, name: str, layout, api, args, res, bandwidth: float) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    built, makers = {}, {}
+    for B, T in _configs(kernel, args):
+        for impl in ("xla", "pallas"):
+            try:
+                fn, call_args, nbytes, rot = _build(kernel, api, layout, B, T, impl, args, rng)
+            except Exception as e:
+                res.error(f"{kernel} {name} B={B} T={T} {impl} (inputs)", e)
+                continue
+            built[(B, T, impl)] = (call_args, nbytes, rot)
+            makers[(B, T, impl)] = functools.partial(fn.lower, *call_args)
+    if built:  # host cost of dispatching one call with this many arguments (device work: none)
+        first = next(iter(built.values()))[0]
+        makers["dispatch"] = functools.partial(jax.jit(lambda *a: jnp.float32(0), keep_unused=True).lower, *first)
+    compiled, errors, _, wall = common.lower_and_compile(makers, args.compile_threads)
+    log(f"{kernel} {name}: lowered and compiled {len(compiled)} in {wall:.1f}s"
+        + (f", {len(errors)} failed" if errors else ""))
+    dispatch_us = None
+    if "dispatch" in compiled:
+        empty = compiled.pop("dispatch")
+        first = next(iter(built.values()))[0]
+        t = common.time_steps(lambda: empty(*first), warmup=2, repeats=args.repeats, pipeline=4)
+        dispatch_us = t["pipelined"]["median_ms"] * 1e3
+        res.data.setdefault("dispatch_us", {})[f"{kernel} {name}"] = dispatch_us
+    for key, err in errors.items():
+        what = "dispatch probe" if key == "dispatch" else f"B={key[0]} T={key[1]} {key[2]}"
+        res.data["errors"].append({"what": f"{kernel} {name} {what}", "error": err})
+    for key, exe in compiled.items():
+        B, T, impl = key
+        (state, per, fixed), nbytes, rot = built[key]
+        st = {"state": state}
+
+        def call(exe=exe, st=st, per=per, fixed=fixed, read_only=kernel == "attention"):
+            if read_only:
+                return exe(st["state"], per, fixed)
+            st["state"], acc = exe(st["state"], per, fixed)
+            return acc
+
+        try:
+            timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
+        except Exception as e:
+            res.error(f"{kernel} {name} B={B} T={T} {impl} (run)", e)
+            continue
+        us = timing["pipelined"]["median_ms"] * 1e3 / args.reps
+        floor_us = nbytes["floor"] / bandwidth * 1e6
+        # Host-bound when one call's device work is not longer than dispatching an empty call with
+        # the same arguments: then `us` is an upper bound on the kernel time.
+        host_bound = dispatch_us is not None and us * args.reps < 1.2 * dispatch_us
+        res.data["results"].append({"kernel": kernel, "layout": name, "B": B, "T": T, "k": T - 1, "impl": impl,
+                                    "us": us, "floor_us": floor_us, "ratio_to_floor": us / floor_us,
+                                    "host_bound": host_bound, "dispatch_us_per_call": dispatch_us,
+                                    "bytes": nbytes, "rotation": rot, "reps": args.reps, "timing": timing})
+    _relative_to_one_token(res.data["results"], kernel, name)
+    res.save()
+
+
+def _relative_to_one_token(results: list[dict], kernel: str, name: str) -> None:
+    """us(T) / us(T=1) per (B, impl): what a 1+k span costs over a decode token."""
+    one = {(r["B"], r["impl"]): r["us"] for r in results
+           if r["kernel"] == kernel and r["layout"] == name and r["T"] == 1}
+    for r in results:
+        if r["kernel"] == kernel and r["layout"] == name and (r["B"], r["impl"]) in one:
+            r["over_one_token"] = r["us"] / one[(r["B"], r["impl"])]
+
+
+def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
+    """fla's fused_recurrent (verify) / chunk (prefill) on the same shapes, timed with do_bench."""
+    import torch
+    import triton
+
+    HK, HV, dk, dv = layout
+    for B, T in _configs(kernel, args):
+        q, k, v = (torch.randn(B, T, h, d, device="cuda", dtype=torch.bfloat16)
+                   for h, d in ((HK, dk), (HK, dk), (HV, dv)))
+        g = -torch.nn.functional.softplus(torch.randn(B, T, HV, device="cuda", dtype=torch.float32))
+        beta = torch.rand(B, T, HV, device="cuda", dtype=torch.bfloat16)
+        h0 = 0.1 * torch.randn(B, HV, dk, dv, device="cuda", dtype=torch.float32)
+        fn = fla.fused_recurrent_gated_delta_rule if kernel == "gdn_verify" else fla.chunk_gated_delta_rule
+        args_ = (q, k, v)
+        kwargs = dict(g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        try:
+            us = triton.testing.do_bench(functools.partial(fn, *args_, **kwargs), warmup=25, rep=100,
+                                         return_mode="median") * 1e3
+        except Exception as e:
+            res.error(f"fla {kernel} {name} B={B} T={T}", e)
+            continue
+        state = B * HV * dk * dv * 4
+        floor = 2 * state + B * T * (2 * HK * dk * 2 + 2 * HV * dv * 2)
+        res.data["results"].append({"kernel": kernel, "layout": name, "B": B, "T": T, "k": T - 1,
+                                    "impl": "fla", "us": us, "floor_us": floor / res.data["bandwidth"]["bytes_per_s"]
+                                    * 1e6, "note": "final state only (no per-token snapshots); bf16 q/k/v, "
+                                    "l2norm in kernel; do_bench median, L2 flushed"})
+    res.save()
+
+
+def print_tables(res) -> None:
+    by = {}
+    for r in res.data["results"]:
+        by.setdefault((r["kernel"], r["layout"], r["B"], r["T"]), {})[r["impl"]] = r
+    rows = []
+    for (kernel, layout, B, T), impls in by.items():
+        x, p, f = impls.get("xla"), impls.get("pallas"), impls.get("fla")
+        one = by.get((kernel, layout, B, 1), {}).get("pallas") if kernel == "attention" else None
+        floor = (p or x or f)["floor_us"]
+        star = {i: ("*" if r and r.get("host_bound") else "") for i, r in (("x", x), ("p", p))}
+        rows.append([kernel, layout, B, T, fmt(x and x["us"], 1) + star["x"], fmt(p and p["us"], 1) + star["p"],
+                     fmt(f and f["us"], 1),
+                     fmt(floor, 1), fmt(p and p["us"] / floor), fmt(x and p and x["us"] / p["us"]),
+                     fmt(one and p and p["us"] / one["us"])])
+    print("\nkernels (us per call; floor = bytes / measured bandwidth; * = host-bound: an upper bound)")
+    print(common.format_table(rows, ["kernel", "layout", "B", "T", "xla", "pallas", "fla", "floor", "pallas/floor",
+                                     "xla/pallas", "t(T)/t(1)"]))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the backend starts: room for fla
+    budget = common.Budget(args.budget_s)
+    res = common.Results("kernels", args)
+    bw = common.measure_bandwidth(int(args.bandwidth_gib * common.GiB))
+    res.data["bandwidth"] = bw
+    log(f"HBM read bandwidth {bw['tb_per_s']:.3f} TB/s")
+    gdn_layouts = SMOKE_GDN if args.smoke else GDN_LAYOUTS
+    attn_layouts = SMOKE_ATTN if args.smoke else ATTN_LAYOUTS
+    wanted = set(args.layouts.split(",")) if args.layouts else None
+    fla, fla_reason = (None, "--no-fla") if args.no_fla else _fla()
+    res.data["fla"] = {"available": fla is not None, "reason": fla_reason}
+    if fla is None:
+        res.skip("fla", fla_reason)
+    for kernel in args.kernels.split(","):
+        api, reason = _import(kernel)
+        fn_name = {"gdn_verify": "gdn_verify", "prefill": "gdn_prefill", "conv": "conv_update",
+                   "attention": "paged_attention"}[kernel]
+        if api is not None and not hasattr(api, fn_name):
+            api, reason = None, f"{api.__name__}.{fn_name} is missing"
+        if api is None:
+            res.skip(kernel, reason)
+            continue
+        layouts = attn_layouts if kernel == "attention" else gdn_layouts
+        for name, layout in layouts.items():
+            if wanted and name not in wanted:
+                continue
+            if not budget.allows():
+                res.skip(f"{kernel} {name}", "budget")
+                continue
+            t0 = time.perf_counter()
+            try:
+                run_layout(kernel, name, layout, api, args, res, bw["bytes_per_s"])
+                if fla is not None and kernel in ("gdn_verify", "prefill") and budget.allows():
+                    run_fla(kernel, name, layout, fla, args, res)
+            except Exception as e:
+                res.error(f"{kernel} {name}", e)
+            log(f"{kernel} {name}: {time.perf_counter() - t0:.1f}s")
+    res.finish()
+    print_tables(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

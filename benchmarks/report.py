@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Summarise a results directory (what run_all.sh wrote): every script's tables into summary.md,
+and a compact version on stdout (the part of a long GPU run's output that is read first): status
+per script, bandwidth, verify fits and floor ratios, eager ratio, e2e speedups, peers, kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import fmt  # noqa: E402
+
+SCRIPTS = ("step_times", "e2e", "kernels", "peers")
+
+
+class _Doc:
+    def __init__(self, data: dict):
+        self.data = data
+
+
+def _load(directory: Path) -> dict[str, dict]:
+    out = {}
+    for name in SCRIPTS:
+        path = directory / f"{name}.json"
+        if path.exists():
+            try:
+                out[name] = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                out[name] = {"status": f"unreadable: {e}", "results": [], "errors": [], "skipped": []}
+    return out
+
+
+def _full_tables(docs: dict[str, dict]) -> str:
+    """Each script's own print_tables output (imported lazily: step_times and kernels import jax)."""
+    buf = io.StringIO()
+    for name, data in docs.items():
+        try:
+            module = __import__(f"benchmarks.{name}", fromlist=["print_tables"])
+            with contextlib.redirect_stdout(buf):
+                print(f"\n## {name}\n")
+                module.print_tables(_Doc(data))
+        except Exception as e:
+            buf.write(f"\n## {name}: could not tabulate ({type(e).__name__}: {e})\n")
+    return buf.getvalue()
+
+
+def compact(docs: dict[str, dict], status: str) -> str:
+    lines = []
+    if status:
+        lines += ["run_all status (script, exit code, seconds, note):", status.rstrip()]
+    for name, d in docs.items():
+        lines.append(f"{name}: {d.get('status')}, {len(d.get('results', []))} results, {len(d.get('skipped', []))} "
+                     f"skipped, {len(d.get('errors', []))} errors, {d.get('wall_s', '?')} s")
+        for e in d.get("errors", [])[:4]:
+            lines.append(f"  error {e['what']}: {e['error'][:160]}")
+    st = docs.get("step_times")
+    if st:
+        bw = st.get("bandwidth", {})
+        lines.append(f"\nbandwidth {fmt(bw.get('tb_per_s'), 3)} TB/s on {st['env'].get('device_kind')}")
+        rows = []
+        for rec in st["results"]:
+            label = rec["shape"] + (f"[{rec['layers']}L]" if rec.get("layers") != rec.get("full_layers") else "")
+            for b in rec.get("batches", []):
+                f = b["fit"].get("pipelined_ms")
+                ok = [i for i in b["items"] if "error" not in i]
+                ratios = " ".join(f"{i['T']}:{i['ratio_to_floor']:.1f}" for i in ok)
+                ms = " ".join(f"{i['T']}:{i['pipelined_ms']:.2f}" for i in ok if i.get("pipelined_ms") is not None)
+                rows.append([label, b["R"], f"{f['a_ms']:.2f}{f['b_ms_per_token']:+.3f}t" if f else "-", ms, ratios])
+            e = rec.get("eager")
+            if e:
+                rows.append([label, 1, "eager/captured", f"{fmt(e['eager_latency_ms'], 1)} / "
+                             f"{fmt(e['captured_latency_ms'], 2)} ms", fmt(e["eager_over_captured"], 1)])
+        lines += ["step times (pipelined ms by t; x floor by t)",
+                  common.format_table(rows, ["shape", "R", "fit", "ms", "x floor"])]
+    e2e = docs.get("e2e")
+    if e2e:
+        rows = []
+        for rec in e2e["results"]:
+            if "plain" in rec:
+                rows.append([rec["shape"], "plain", "", "", fmt(rec["plain"]["decode_tokens_per_s"], 1), "", "", ""])
+            for r in rec.get("runs", []):
+                rows.append([rec["shape"], r["method"], r["k"], r.get("alpha", ""), fmt(r["decode_tokens_per_s"], 1),
+                             fmt(r["tau"]), fmt(r["speedup"]), fmt(r["model_speedup"])])
+        lines += ["e2e (decode tok/s; speedup vs plain; model = tau * t_decode / t_round)",
+                  common.format_table(rows, ["shape", "method", "k", "alpha", "tok/s", "tau", "speedup", "model"])]
+    peers = docs.get("peers")
+    if peers:
+        rows = []
+        for rec in peers["results"]:
+            for mode, out in rec.get("modes", {}).items():
+                rows.append([rec["shape"], mode, "refused" if "refused" in out else fmt(out.get("tokens_per_s"), 1),
+                             fmt(out.get("first_call_s"), 1)])
+        lines += ["HF peers (tok/s, first call s)", common.format_table(rows, ["shape", "mode", "tok/s", "first s"])]
+    kern = docs.get("kernels")
+    if kern:
+        by: dict = {}
+        for r in kern["results"]:
+            if r["B"] in (1, 32) and r["T"] in (1, 16, 64):
+                by.setdefault((r["kernel"], r["layout"], r["B"], r["T"]), {})[r["impl"]] = r
+        rows = []
+        for (kernel, layout, B, T), impls in by.items():
+            us = {i: impls[i]["us"] if i in impls else None for i in ("pallas", "xla", "fla")}
+            p = impls.get("pallas")
+            rows.append([kernel, layout, B, T, fmt(us["pallas"], 1), fmt(us["xla"], 1), fmt(us["fla"], 1),
+                         fmt(p and p["ratio_to_floor"])])
+        lines += ["kernels (us per call, B in 1 and 32, T in 1, 16 and 64; every row in summary.md)",
+                  common.format_table(rows, ["kernel", "layout", "B", "T", "pallas", "xla", "fla", "pallas x floor"])]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("directory", nargs="?", default=str(common.RESULTS_DIR), help="results directory")
+    p.add_argument("--out", default=None, help="markdown path (default: <directory>/summary.md)")
+    args = p.parse_args(argv)
+    directory = Path(args.directory)
+    docs = _load(directory)
+    status_path = directory / "run_all_status.tsv"
+    status = status_path.read_text() if status_path.exists() else ""
+    short = compact(docs, status)
+    out = Path(args.out) if args.out else directory / "summary.md"
+    out.write_text("# Benchmark summary\n\n```\n" + short + "\n```\n\n# Full tables\n\n```\n" + _full_tables(docs)
+                   + "\n```\n")
+    print(short)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

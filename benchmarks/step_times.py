@@ -1,0 +1,432 @@
+#!/usr/bin/env python
+"""Step times (issue 7 a, b, e): the plain decode step (T = 1) and the speculative verify round
+(T = 1+k) of the published shapes, timed through the engine's own executables at a realistic
+context, against the physical floor; the verify fit verify(t) = a + b*t; the same verify run op by
+op (jax.disable_jit) as the captured-vs-eager ratio; and memory per request (KV per token, GDN
+state at each k) with the largest batch that fits the device.
+
+Executables: decode = engine.step_executable at (R, 1); verify = spec.step.round_executable with
+the replay drafter (a gather: the round is the verify forward plus the on-device rejection sampler)
+at (R, 1+k). Both are lowered from the engine's own jitted functions, compiled in a thread pool and
+called with the engine's caches (donated), randomised so no timing runs on zeros. Every row starts
+at `--context` cached tokens. Floor = (weights touched + KV read/written + GDN state read and
+snapshots written) / HBM bandwidth measured in the same run (common.step_bytes).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import functools  # noqa: E402
+import gc  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import fmt, log  # noqa: E402
+
+SMOKE = dict(shapes="demo-qwen3.5", batches="1", ks="1", context=24, repeats=3, pipeline=2, eager="none",
+             bandwidth_gib=1 / 32, memory_lens="128,4096", compile_threads=2, warmup=1)
+
+
+def build_parser():
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,4", help="request counts (each its own bucket), in priority order")
+    p.add_argument("--ks", default="1,3,7,15", help="draft lengths k; the verify runs T = 1+k")
+    p.add_argument("--context", type=int, default=512, help="tokens already cached in every row")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--eager", default="all", choices=["all", "first", "none"],
+                   help="op-by-op verify (batch 1, --eager-k) on every shape, the first only, or none")
+    p.add_argument("--eager-k", type=int, default=3)
+    p.add_argument("--pipeline", type=int, default=8, help="calls per pipelined sample")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile-threads", type=int, default=common.default_threads())
+    p.add_argument("--cache-dir", default="default",
+                   help="persistent XLA cache ('default' = $JAXSPEC_CACHE_DIR or the user cache; 'none' = off)")
+    p.add_argument("--bandwidth-gib", type=float, default=4.0, help="array size of the bandwidth reduction")
+    p.add_argument("--memory-lens", default="4096,32768", help="max_model_len values of the memory table")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="device memory for the max-batch table (default: the backend's bytes_limit, else 141)")
+    p.add_argument("--reserve-gib", type=float, default=2.0, help="workspace kept free in the max-batch table")
+    return p
+
+
+def parse(argv=None):
+    p = build_parser()
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(**SMOKE)
+    args = p.parse_args(argv)
+    common.check_repeats(args)
+    args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
+    for name, values in (("--batches", common.int_list(args.batches)), ("--ks", common.int_list(args.ks))):
+        if not values:
+            raise SystemExit(f"{name} is empty")
+    if max(common.int_list(args.batches)) > args.engine["max_num_seqs"]:
+        raise SystemExit(f"--batches {args.batches}: at most max_num_seqs={args.engine['max_num_seqs']}")
+    if max(common.int_list(args.ks)) > args.engine["max_num_speculative_tokens"]:
+        raise SystemExit(f"--ks {args.ks}: at most k_max={args.engine['max_num_speculative_tokens']}")
+    if args.context + 16 > args.engine["max_model_len"]:
+        raise SystemExit(f"--context {args.context} leaves no room in max_model_len={args.engine['max_model_len']}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs: random caches, block tables, rows at `context`
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _randomise(caches, key):
+    """Every cache buffer filled with random values (KV and conv ~ N(0, 1), GDN state ~ N(0, 0.1^2))."""
+    leaves, tree = jax.tree_util.tree_flatten(caches)
+    keys = jax.random.split(key, len(leaves))
+    new = [(jax.random.normal(k, x.shape, jnp.float32) * (0.1 if x.dtype == jnp.float32 else 1.0)).astype(x.dtype)
+           for k, x in zip(keys, leaves, strict=True)]
+    return jax.tree_util.tree_unflatten(tree, new)
+
+
+def _tables(ecfg, R: int) -> np.ndarray:
+    """Rows 0..R-1 are engine slots 1..R, each owning a contiguous run of pages (page 0 is null)."""
+    P = ecfg.pages_per_seq
+    return (1 + np.arange(R)[:, None] * P + np.arange(P)[None, :]).astype(np.int32)
+
+
+def _batch_inputs(model, eng, R: int, ks: list[int], context: int):
+    """({("decode", 0) | ("verify", k): a function returning the Lowered executable}, call inputs):
+    rows 0..R-1 in slots 1..R at `context` cached tokens, random tokens and drafts, greedy."""
+    from jaxspec import sampling
+    from jaxspec.engine import step_executable
+    from jaxspec.spec.drafters import RoundInputs
+    from jaxspec.spec.session import make_drafter
+    from jaxspec.spec.step import round_executable
+
+    cfg, ecfg, rng = model.config, eng.ecfg, np.random.default_rng(R)
+    vocab = min(cfg.vocab_size, 32000)
+    sp = sampling.make_sampling_params(R, temperature=0.0, seed=0)
+    tables = _tables(ecfg, R)
+    slots = np.arange(1, R + 1, dtype=np.int32)
+    start = np.full((R,), context, np.int32)
+    makers, inputs = {}, {}
+    step_in = jax.device_put(dict(tokens=rng.integers(0, vocab, (R, 1)).astype(np.int32), start_pos=start,
+                                  num_valid=np.ones((R,), np.int32), block_tables=tables, seq_slot=slots))
+    step_fn = step_executable(cfg, ecfg, eng.kernels)
+    makers[("decode", 0)] = lambda: step_fn.lower(model.params, eng.caches, eng.num_accepted, step_in, sp,
+                                                  mode="verify", last_only=False)
+    inputs[("decode", 0)] = (step_in, sp)
+    for k in ks:
+        drafter = make_drafter("replay", model, ecfg, k)
+        S = ecfg.max_num_seqs + 1
+        dstate = jax.device_put({"ref": rng.integers(0, vocab, (S, drafter.ref_len)).astype(np.int32),
+                                 "length": np.full((S,), drafter.ref_len, np.int32),
+                                 "generated": np.zeros((S,), np.int32)})
+        dparams = jax.device_put({"alpha": np.float32(0.5), "seed": np.uint32(0)})
+        rnd = RoundInputs(**jax.device_put(dict(
+            last_token=rng.integers(0, vocab, (R,)).astype(np.int32), start_pos=start, block_tables=tables,
+            seq_slot=slots, request_id=np.arange(R, dtype=np.int32), num_drafts=np.full((R,), k, np.int32),
+            aux_block_tables=np.zeros((R, 1), np.int32))))
+        fn = round_executable(cfg, ecfg, drafter, eng.kernels)
+        makers[("verify", k)] = functools.partial(fn.lower, model.params, eng.caches, eng.num_accepted, dparams,
+                                                  dstate, rnd, sp)
+        inputs[("verify", k)] = (dparams, dstate, rnd, sp, drafter)
+    return makers, inputs
+
+
+def _caller(key, exe, model, st: dict, inputs):
+    """A zero-argument step threading the donated caches / num_accepted / drafter state through st."""
+    params = model.params
+    if key[0] == "decode":
+        step_in, sp = inputs
+
+        def call():
+            tokens, st["caches"], st["na"] = exe(params, st["caches"], st["na"], step_in, sp)
+            return tokens
+    else:
+        dparams, _, rnd, sp, _ = inputs
+        k = key[1]
+
+        def call():
+            emitted, _, st["caches"], st["na"], st["dstate"][k] = exe(params, st["caches"], st["na"], dparams,
+                                                                        st["dstate"][k], rnd, sp)
+            return emitted
+    return call
+
+
+# ------------------------------------------------------------------------------------------------
+# One batch, the eager comparison, the memory table
+# ------------------------------------------------------------------------------------------------
+
+
+def fit_line(ts, ys) -> dict | None:
+    """Least squares y = a + b t; None with fewer than two points."""
+    if len(ts) < 2:
+        return None
+    b, a = np.polyfit(np.asarray(ts, float), np.asarray(ys, float), 1)
+    pred = a + b * np.asarray(ts, float)
+    ss = float(np.sum((np.asarray(ys) - np.mean(ys)) ** 2))
+    r2 = 1.0 - float(np.sum((np.asarray(ys) - pred) ** 2)) / ss if ss > 0 else 1.0
+    return {"a_ms": float(a), "b_ms_per_token": float(b), "r2": r2, "points": len(ts)}
+
+
+def _renew_state(model, eng, st: dict) -> None:
+    """Fresh random caches and num_accepted where a failed call left deleted (donated) buffers."""
+    from jaxspec import cache
+
+    if any(x.is_deleted() for x in jax.tree_util.tree_leaves(st["caches"])):
+        st["caches"] = _randomise(cache.allocate(model.config, eng.ecfg, model.dtype), jax.random.PRNGKey(8))
+    if st["na"].is_deleted():
+        st["na"] = jax.device_put(np.ones((eng.ecfg.max_num_seqs + 1,), np.int32))
+    for k, d in list(st["dstate"].items()):
+        if any(x.is_deleted() for x in jax.tree_util.tree_leaves(d)):
+            st["dstate"].pop(k)
+
+
+def run_batch(model, eng, R: int, args, weights: dict, bandwidth: float) -> dict:
+    ks = common.int_list(args.ks)
+    t0 = time.perf_counter()
+    makers, inputs = _batch_inputs(model, eng, R, ks, args.context)
+    compiled, errors, lower_s, compile_wall = common.lower_and_compile(makers, args.compile_threads)
+    lower_total = sum(lower_s.values())
+    log(f"  R={R}: {len(compiled)} executables lowered ({lower_total:.1f}s) and compiled "
+        f"({args.compile_threads} threads) in {compile_wall:.1f}s" + (f"; {len(errors)} failed" if errors else ""))
+    st = {"caches": eng.caches, "na": eng.num_accepted,
+          "dstate": {k: inputs[("verify", k)][1] for k in ks if ("verify", k) in inputs}}
+    items = []
+    for key in [("decode", 0)] + [("verify", k) for k in ks]:
+        kind, k = key
+        T = 1 + k
+        item = {"kind": kind, "k": k, "T": T, "lower_s": round(lower_s.get(key, 0.0), 3)}
+        if key in errors:
+            item["error"] = errors[key]
+            items.append(item)
+            continue
+        try:
+            timing = common.time_steps(_caller(key, compiled[key], model, st, inputs[key]), warmup=args.warmup,
+                                       repeats=args.repeats, pipeline=args.pipeline)
+        except Exception as e:  # a failing executable may have consumed the donated caches: renew them
+            item["error"] = f"run: {type(e).__name__}: {e}"[:2000]
+            items.append(item)
+            log(f"  R={R} {kind} T={T}: {item['error'][:200]}")
+            _renew_state(model, eng, st)
+            continue
+        b = common.step_bytes(model.config, weights, R, T, args.context, np.dtype(model.dtype).itemsize)
+        floor_ms = b["floor"] / bandwidth * 1e3
+        item.update(timing=timing, bytes=b, floor_ms=floor_ms,
+                    pipelined_ms=timing["pipelined"]["median_ms"] if timing["pipelined"] else None,
+                    latency_ms=timing["latency"]["median_ms"])
+        item["ratio_to_floor"] = (item["pipelined_ms"] or item["latency_ms"]) / floor_ms
+        items.append(item)
+        log(f"  R={R} {kind:6s} T={T:2d}: pipelined {fmt(item['pipelined_ms'], 3)} ms, latency "
+            f"{item['latency_ms']:.3f} ms, floor {floor_ms:.3f} ms, x{item['ratio_to_floor']:.2f}")
+    eng.caches, eng.num_accepted = st["caches"], st["na"]
+    ok = [i for i in items if "error" not in i]
+    fits = {}
+    for mode in ("pipelined_ms", "latency_ms"):
+        pts = [(i["T"], i[mode]) for i in ok if i.get(mode) is not None]
+        fits[mode] = fit_line([t for t, _ in pts], [y for _, y in pts])
+        vpts = [(t, y) for t, y in pts if t > 1]
+        fits[mode + "_verify_only"] = fit_line([t for t, _ in vpts], [y for _, y in vpts])
+    floor_fit = fit_line([i["T"] for i in ok], [i["floor_ms"] for i in ok])
+    return {"R": R, "context": args.context, "items": items, "fit": fits, "floor_fit": floor_fit,
+            "lower_s": round(lower_total, 2), "lower_and_compile_wall_s": round(compile_wall, 2),
+            "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def run_eager(model, eng, args, captured_ms: float | None) -> dict:
+    """The verify round at batch 1, k = --eager-k, op by op (jax.disable_jit): the 'graph off' A/B."""
+    from jaxspec.spec.step import spec_round
+
+    k = args.eager_k
+    _, inputs = _batch_inputs(model, eng, 1, [k], args.context)
+    dparams, dstate, rnd, sp, drafter = inputs[("verify", k)]
+    fn = functools.partial(spec_round, cfg=model.config, ecfg=eng.ecfg, drafter=drafter, kernels=eng.kernels)
+    st = {"caches": eng.caches, "na": eng.num_accepted, "dstate": dstate}
+
+    def call():
+        emitted, _, st["caches"], st["na"], st["dstate"] = fn(model.params, st["caches"], st["na"], dparams,
+                                                             st["dstate"], rnd, sp)
+        return emitted
+
+    cache_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # thousands of one-op executables: keep them off disk
+    try:
+        with jax.disable_jit():
+            timing = common.time_steps(call, warmup=1, repeats=max(3, min(args.repeats, 5)), pipeline=0)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_on)
+    eng.caches, eng.num_accepted = st["caches"], st["na"]
+    eager_ms = timing["latency"]["median_ms"]
+    return {"R": 1, "k": k, "T": 1 + k, "eager_latency_ms": eager_ms, "captured_latency_ms": captured_ms,
+            "eager_over_captured": eager_ms / captured_ms if captured_ms else None, "timing": timing,
+            "note": "op by op under jax.disable_jit (no donation: functional cache updates copy the pools)"}
+
+
+def _physical_gpu_bytes() -> int | None:
+    """The GPU's total memory from nvidia-smi (the backend's bytes_limit is only JAX's share of it)."""
+    text = common.run_command(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"])
+    try:
+        return int(text.splitlines()[0]) * 2**20 if text else None
+    except ValueError:
+        return None
+
+
+def memory_table(name: str, args) -> dict:
+    """Per-request KV / GDN / conv bytes (full-depth config) and the largest batch that fits."""
+    from jaxspec.cache import cache_bytes, device_memory_bytes
+    from jaxspec.config import EngineConfig
+    from jaxspec.loader import DTYPES
+
+    cfg = common.model_config(common.shape_config(name))
+    weights = sum(common.params_bytes_by_kind(cfg, args.dtype).values())
+    if args.device_memory_gb:
+        device, source = int(args.device_memory_gb * 1e9), "--device-memory-gb"
+    elif device_memory_bytes():
+        device, source = device_memory_bytes(), "backend bytes_limit (XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU)"
+    else:
+        device, source = int(141e9), "nominal H200 141 GB (this backend reports no limit)"
+    reserve = int(args.reserve_gib * common.GiB)
+    dtype = DTYPES[args.dtype]
+    rows = []
+    for L in common.int_list(args.memory_lens):
+        for k in (0, 1, 3, 7, 15):
+            sizes = [cache_bytes(cfg, EngineConfig(max_num_seqs=s, max_model_len=L, max_num_speculative_tokens=k,
+                                                   page_size=args.engine["page_size"]), dtype) for s in (1, 2)]
+            per = {c: sizes[1][c] - sizes[0][c] for c in sizes[0]}
+            per_request = sum(per.values())
+            free = device - weights - reserve
+            rows.append({"max_model_len": L, "k": k, "per_request_bytes": per, "per_request_total": per_request,
+                         "max_batch": max(0, free // per_request) if per_request else None})
+    physical = _physical_gpu_bytes()
+    for r in rows:
+        fits = physical and r["per_request_total"]
+        r["max_batch_physical"] = max(0, (physical - weights - reserve) // r["per_request_total"]) if fits else None
+    itemsize = np.dtype(dtype).itemsize
+    return {"weights_bytes": weights, "device_bytes": device, "device_source": source, "reserve_bytes": reserve,
+            "physical_bytes": physical,
+            "kv_bytes_per_token": 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * itemsize,
+            "gdn_state_bytes_per_slot": len(cfg.gdn_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+            * cfg.linear_value_head_dim * 4, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------
+
+
+def run_shape(name: str, layers: int | None, args, res, bandwidth: float, budget, deadline: float,
+              first: bool) -> None:
+    hf = common.shape_config(name, layers)
+    rec = res.add({"shape": name, "layers": hf["num_hidden_layers"],
+                   "full_layers": common.shape_config(name)["num_hidden_layers"], "batches": []})
+    rec["memory"] = memory_table(name, args)
+    t0 = time.perf_counter()
+    model = common.build_model(hf, dtype=args.dtype, kernels=args.kernels, engine=args.engine)
+    eng = model.engine(0)
+    eng.caches = common.block(_randomise(eng.caches, jax.random.PRNGKey(7)))
+    rec.update(init_s=round(time.perf_counter() - t0, 2), kernels=eng.kernels, engine=vars(eng.ecfg),
+               weights_bytes_by_kind=common.params_bytes_by_kind(model.config, args.dtype))
+    log(f"{name}: {rec['layers']}/{rec['full_layers']} layers, kernels={eng.kernels}, built in {rec['init_s']}s")
+    res.save()
+    weights = rec["weights_bytes_by_kind"]
+    last_cost = 0.0
+    for R in common.int_list(args.batches):
+        if rec["batches"] and time.perf_counter() + last_cost > deadline:
+            res.skip(f"{name} R={R}", f"shape share of the budget spent (last batch took {last_cost:.0f}s)")
+            continue
+        try:
+            t1 = time.perf_counter()
+            rec["batches"].append(run_batch(model, eng, R, args, weights, bandwidth))
+            last_cost = time.perf_counter() - t1
+        except Exception as e:
+            res.error(f"{name} R={R}", e)
+        res.save()
+    want_eager = args.eager == "all" or (args.eager == "first" and first)
+    if want_eager and budget.allows(30 if not args.smoke else 0):
+        captured = next((i["latency_ms"] for b in rec["batches"] if b["R"] == 1 for i in b["items"]
+                         if i["kind"] == "verify" and i["k"] == args.eager_k and "error" not in i), None)
+        try:
+            rec["eager"] = run_eager(model, eng, args, captured)
+            log(f"  eager verify R=1 k={args.eager_k}: {rec['eager']['eager_latency_ms']:.1f} ms "
+                f"(captured {fmt(captured, 3)} ms)")
+        except Exception as e:
+            res.error(f"{name} eager", e)
+    elif want_eager:
+        res.skip(f"{name} eager", "budget")
+    res.save()
+    del model, eng
+    gc.collect()
+
+
+def print_tables(res) -> None:
+    rows, fits, eager, mem = [], [], [], []
+    for rec in res.data["results"]:
+        label = f"{rec['shape']}" + (f"[{rec['layers']}L]" if rec["layers"] != rec["full_layers"] else "")
+        for b in rec["batches"]:
+            for i in b["items"]:
+                if "error" in i:
+                    rows.append([label, b["R"], i["kind"], i["T"], "ERROR", "", "", ""])
+                    continue
+                rows.append([label, b["R"], i["kind"], i["T"], fmt(i["pipelined_ms"], 3), fmt(i["latency_ms"], 3),
+                             fmt(i["floor_ms"], 3), fmt(i["ratio_to_floor"])])
+            f, ff = b["fit"]["pipelined_ms"], b["floor_fit"]
+            if f:
+                fits.append([label, b["R"], f"{f['a_ms']:.3f} {f['b_ms_per_token']:+.3f} t", fmt(f["r2"], 3),
+                             f"{ff['a_ms']:.3f} {ff['b_ms_per_token']:+.3f} t" if ff else "-"])
+        if rec.get("eager"):
+            e = rec["eager"]
+            eager.append([label, e["T"], fmt(e["eager_latency_ms"], 1), fmt(e["captured_latency_ms"], 3),
+                          fmt(e["eager_over_captured"], 1)])
+        m = rec.get("memory")
+        if m:
+            for r in m["rows"]:
+                if r["k"] in (0, 3, 15):
+                    mem.append([rec["shape"], r["max_model_len"], r["k"], f"{r['per_request_total'] / 2**20:.1f}",
+                                r["max_batch"], r.get("max_batch_physical") or "-"])
+    print("\nstep times (ms; pipelined = back-to-back calls, latency = each call waited for)")
+    print(common.format_table(rows, ["shape", "R", "step", "T", "pipelined", "latency", "floor", "x floor"]))
+    if fits:
+        print("\nverify(t) fit, pipelined (ms)  vs  floor(t)")
+        print(common.format_table(fits, ["shape", "R", "fit", "r2", "floor fit"]))
+    if eager:
+        print("\ncaptured vs eager verify (batch 1)")
+        print(common.format_table(eager, ["shape", "T", "eager ms", "captured ms", "eager/captured"]))
+    if mem:
+        print("\nmemory per request (full depth) and largest batch that fits")
+        print(common.format_table(mem, ["shape", "max_model_len", "k", "MiB/request", "max batch (JAX limit)",
+                                        "max batch (whole GPU)"]))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    names = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else common.DEFAULT_SHAPES)
+    layers = common.parse_layers(args.layers, names)
+    budget = common.Budget(args.budget_s)
+    res = common.Results("step_times", args)
+    res.data["cache_dir"] = common.setup_jax(args.cache_dir)
+    bw = common.measure_bandwidth(int(args.bandwidth_gib * common.GiB))
+    res.data["bandwidth"] = bw
+    log(f"HBM read bandwidth {bw['tb_per_s']:.3f} TB/s ({bw['bytes'] / 2**30:.2f} GiB reduction)")
+    for n, name in enumerate(names):
+        if not budget.allows():
+            res.skip(name, "budget spent")
+            continue
+        deadline = time.perf_counter() + (budget.left() / (len(names) - n) if math.isfinite(budget.left()) else 1e9)
+        try:
+            run_shape(name, layers[name], args, res, bw["bytes_per_s"], budget, deadline, first=n == 0)
+        except Exception as e:
+            res.error(name, e)
+        gc.collect()
+    res.finish()
+    print_tables(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
