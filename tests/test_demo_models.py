@@ -34,7 +34,8 @@ K = 4
 # Draft-token acceptance (accepted / drafted) of the shipped draft on PROMPTS, greedy, k = K, float32.
 # Set from the shipped checkpoint's measured value with margin; when the GPU-trained pair replaces
 # the files, set it again from that pair's measured value (the test prints it).
-DEMO_DRAFT_ACCEPTANCE_FLOOR = 0.15  # H200-trained pair (2026-11-29): measured 0.213; a broken drafter or rollback gives ~0
+# H200-trained pair (2026-11-29): measured 0.213; a broken drafter or rollback gives about 0.
+DEMO_DRAFT_ACCEPTANCE_FLOOR = 0.15
 MAX_TOTAL_MODEL_BYTES = 20_000_000  # both model.safetensors together
 MAX_FILE_BYTES = 16_000_000
 SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=128, max_num_seqs=4, prefill_chunk=32)

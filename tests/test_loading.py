@@ -16,7 +16,7 @@ from jaxspec.compile import count_compiles
 from jaxspec.config import ConfigError
 from jaxspec.tokenizer import ByteTokenizer
 from jaxspec.weights import CheckpointError, read_checkpoint_tensors, write_safetensors
-from tests.demo_models import NEW_TOKENS, SETTINGS, demo_model, one_at_a_time, prompts
+from tests.demo_models import NEW_TOKENS, SETTINGS, demo_model, prompts
 
 # Same settings as tests/models' jax_model, so a full run reuses the parity suite's executables.
 HF_SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=64, max_num_seqs=8, prefill_chunk=8, page_size=4)
