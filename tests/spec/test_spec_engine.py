@@ -51,7 +51,7 @@ def test_bad_speculative_settings_are_refused(family, hf_checkpoint):
     for message, make in cases.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             make()
-    # k above the maximum of a model that sizes its caches per call is refused by the config's limit
+    # the refusal of k above the model's maximum also names that maximum
     with pytest.raises(ValueError, match=re.escape(f"max_num_speculative_tokens={K_MAX}")):
         run(jaxspec.SpeculativeConfig("ngram", K_MAX + 1))
     assert all(not engine.slot_pages for engine in model._engines.values())  # nothing was left held
