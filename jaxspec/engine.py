@@ -33,6 +33,14 @@ class Row:
     seed: int = 0
 
 
+def row_sampling(rows: list[Row], R: int) -> sampling.SamplingParams:
+    """Per-row sampling settings padded to R rows (padding rows: greedy, request 0)."""
+    rows = rows + [Row(slot=0, tokens=[], start_pos=0, request_id=0)] * (R - len(rows))
+    return sampling.make_sampling_params(
+        R, temperature=[r.temperature for r in rows], top_k=[r.top_k for r in rows], top_p=[r.top_p for r in rows],
+        seed=[r.seed for r in rows], request_id=[r.request_id for r in rows])
+
+
 @dataclass
 class StepInputs:
     """Device arrays for one step, padded to the bucket (R, T)."""
@@ -175,12 +183,7 @@ class Engine:
             start[i], valid[i], slots[i] = row.start_pos, len(row.tokens), row.slot
             tables[i] = self.block_tables[row.slot]
         batch = dict(tokens=tokens, start_pos=start, num_valid=valid, block_tables=tables, seq_slot=slots)
-        pad = [Row(slot=0, tokens=[], start_pos=0, request_id=0)] * (R - len(rows))
-        rows = rows + pad
-        sp = sampling.make_sampling_params(
-            R, temperature=[r.temperature for r in rows], top_k=[r.top_k for r in rows],
-            top_p=[r.top_p for r in rows], seed=[r.seed for r in rows], request_id=[r.request_id for r in rows])
-        return StepInputs(batch=jax.device_put(batch), sampling=sp)  # transfers only: no device compiles
+        return StepInputs(batch=jax.device_put(batch), sampling=row_sampling(rows, R))  # transfers only
 
     def run(self, rows: list[Row], *, T: int, mode: str, last_only: bool) -> np.ndarray:
         """Run one step over rows (each with <= T tokens) and return sampled tokens on the host."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxspec import sampling
 from jaxspec.config import EngineConfig, ModelConfig
-from jaxspec.engine import make_batch
+from jaxspec.engine import make_batch, row_sampling
 from jaxspec.models.model import forward
 from jaxspec.spec.drafters import RoundInputs
 from jaxspec.spec.verify import rejection_sample
@@ -56,7 +56,6 @@ def _round_rows(engine, session, active, R: int, k: int,
                 num_drafts: int) -> tuple[RoundInputs, sampling.SamplingParams]:
     """Host -> device inputs of one round with k draft columns (num_drafts of them verified),
     padded to R rows (padding rows use slot 0)."""
-    n = len(active)
     last = np.zeros((R,), np.int32)
     start = np.zeros((R,), np.int32)
     slots = np.zeros((R,), np.int32)
@@ -67,11 +66,7 @@ def _round_rows(engine, session, active, R: int, k: int,
         last[i], start[i], slots[i], ids[i] = req.generated[-1], req.num_cached, req.slot, req.index
         tables[i] = engine.block_tables[req.slot]
     aux = session.aux_block_tables(active, R, k)
-    rows = [r.row([], 0) for r in active] + [None] * (R - n)
-    sp = sampling.make_sampling_params(
-        R, temperature=[r.temperature if r else 0.0 for r in rows], top_k=[r.top_k if r else 0 for r in rows],
-        top_p=[r.top_p if r else 1.0 for r in rows], seed=[r.seed if r else 0 for r in rows],
-        request_id=[r.request_id if r else 0 for r in rows])
+    sp = row_sampling([r.row([], 0) for r in active], R)
     host = dict(last_token=last, start_pos=start, block_tables=tables, seq_slot=slots, request_id=ids,
                 num_drafts=np.full((R,), num_drafts, np.int32), aux_block_tables=aux)
     rnd = RoundInputs(**jax.device_put(host))  # transfers only: no device compiles
