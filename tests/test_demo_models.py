@@ -7,6 +7,7 @@ non-editable install carries the files; the random demos keep their names. Plus 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -175,6 +176,11 @@ def test_train_demo_tiny_end_to_end(tmp_path):
     assert "[target] step 3/3 loss" in proc.stdout and "[draft] step 3/3 loss" in proc.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["training"]["target"]["steps"] == 3 and len(metrics["loss_curves"]["draft"]) == 3
+    for name in ("target", "draft"):  # the kept params are the best validation check's
+        record, checks = metrics["training"][name], metrics["val_curves"][name]
+        assert [c["step"] for c in checks] == [3] and record["kept_step"] == 3
+        assert record["val_loss"] == checks[0]["val_loss"] and math.isfinite(record["val_loss"])
+    assert "validation loss" in proc.stdout
     assert set(metrics["tau"]) == {"draft_model", "ngram", "mtp"} and set(metrics["tau"]["ngram"]) == {"2", "4", "8"}
     for sub in ("target", "draft"):
         demo.verify_trained_dir(out, sub)

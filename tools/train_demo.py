@@ -45,7 +45,9 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # appended after the
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
-HELDOUT_EVERY = 20  # a file is held out when sha256(relative path) % 20 == 0 (about 5%, independent of the seed)
+# Files split by sha256(relative path) % 20 (independent of the seed): 0 = held out (the metrics), 1 =
+# validation (early stopping), the rest = training.
+HELDOUT_EVERY = 20
 MAX_FILE_BYTES = 1 << 20
 
 # Model shapes. Target ~7.1M params (14.2 MB bf16 with the MTP head), draft ~1.4M (2.8 MB).
@@ -60,10 +62,12 @@ TINY_SIZES = {
 # Settings per mode: vocabulary, tokens per window, windows per batch, peak learning rate, warmup
 # steps, corpus cap, max_position_embeddings, and the held-out evaluation's windows / tau prompts /
 # batch (tools/demo_metrics.py).
+# Early stopping: validation loss every `val_every` steps on `val_windows` fixed windows; the best
+# params are kept and training stops after `patience` checks without a new best.
 FULL_TRAIN = dict(vocab=4096, seq_len=256, batch=64, lr=2e-3, warmup=200, corpus_bytes=None, max_pos=2048,
-                  eval_windows=256, eval_prompts=64, eval_batch=32)
+                  eval_windows=256, eval_prompts=64, eval_batch=32, val_every=200, val_windows=128, patience=4)
 TINY_TRAIN = dict(vocab=1024, seq_len=64, batch=8, lr=3e-3, warmup=10, corpus_bytes=1_500_000, max_pos=512,
-                  eval_windows=16, eval_prompts=8, eval_batch=8)
+                  eval_windows=16, eval_prompts=8, eval_batch=8, val_every=5, val_windows=8, patience=2)
 MTP_WEIGHT = 0.3  # loss = next-token + MTP_WEIGHT * MTP (token t+2), as DeepSeek-V3's lambda
 CLIP_NORM = 1.0
 CALIBRATION_STEPS = 5  # timed after the compile step to turn a time box into a step count
@@ -98,11 +102,13 @@ def stdlib_files(include_tests: bool, max_bytes: int | None = None) -> list[tupl
 
 
 def split_files(files):
-    """-> (train texts, held-out texts), held out by file (hash of the path, so the seed does not move it)."""
-    train, held = [], []
+    """-> (train, validation, held-out texts), split by file (a hash of the path, so the seed does not
+    move a file). Validation picks the step to keep; held-out is only ever used for the final metrics."""
+    train, val, held = [], [], []
     for rel, text in files:
-        (held if int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0 else train).append(text)
-    return train, held
+        bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_EVERY
+        (held if bucket == 0 else val if bucket == 1 else train).append(text)
+    return train, val, held
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -230,6 +236,20 @@ def lr_at(i: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
+def validation_windows(stream: np.ndarray, count: int, width: int) -> np.ndarray:
+    """[count, width] windows evenly spaced over the validation stream (fixed: every check sees the same)."""
+    starts = np.linspace(0, len(stream) - width, count).astype(np.int64)
+    return stream[starts[:, None] + np.arange(width)]
+
+
+def make_val_loss(cfg: ModelConfig, compute_dtype, mtp: bool, windows: np.ndarray, batch: int):
+    """() -> params -> mean next-token loss over the validation windows (float)."""
+    loss = jax.jit(lambda p, b: loss_fn(p, b, cfg=cfg, compute_dtype=compute_dtype, mtp=mtp)[1][0])
+    chunks = [jnp.asarray(windows[i:i + batch]) for i in range(0, len(windows), batch)]
+    return lambda params: float(np.mean([float(loss(params, c)) * len(c) for c in chunks]) * len(chunks)
+                                / len(windows))
+
+
 def batches(stream: np.ndarray, batch: int, width: int, seed: int):
     """Endless [batch, width] windows at seeded uniform offsets into the token stream."""
     rng = np.random.default_rng(seed)
@@ -239,11 +259,17 @@ def batches(stream: np.ndarray, batch: int, width: int, seed: int):
         yield stream[starts[:, None] + offsets]
 
 
-def train_model(name, cfg, params, stream, opts, *, seconds, steps, seed, mtp, log_every):
+def train_model(name, cfg, params, stream, val_stream, opts, *, seconds, steps, seed, mtp, log_every):
     """Adam + warmup/cosine over seeded batches. The step count is `steps`, or what fits in
-    `seconds` (compile included) judged from the first steps' speed. Returns (params, record)."""
+    `seconds` (compile included) judged from the first steps' speed. Every `val_every` steps the
+    validation loss is measured; the params with the best one are returned, and training stops after
+    `patience` checks without improvement. Returns (params, record)."""
     compute_dtype = jnp.dtype(opts["compute_dtype"])
     step_fn = make_train_step(cfg, compute_dtype, mtp)
+    val_loss = make_val_loss(cfg, compute_dtype, mtp, validation_windows(val_stream, opts["val_windows"],
+                                                                          opts["seq_len"] + 2), opts["eval_batch"])
+    best = {"loss": math.inf, "step": 0, "params": None, "since": 0}
+    val_curve = []
     opt_init, _, get_params = optimizers.adam(opts["lr"])
     state = jax.jit(opt_init)(params)  # jitted: distinct buffers for the zero moments (the step donates them)
     data = batches(stream, opts["batch"], opts["seq_len"] + 2, seed)
@@ -269,14 +295,27 @@ def train_model(name, cfg, params, stream, opts, *, seconds, steps, seed, mtp, l
             extra = f" mtp {mtp_loss:.3f}" if mtp else ""
             print(f"[{name}] step {i}/{total} loss {ntp:.3f}{extra} lr {lr:.2e} "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
+        if i % opts["val_every"] == 0 or i == total:
+            loss = val_loss(get_params(state))
+            val_curve.append({"step": i, "val_loss": round(loss, 4)})
+            if loss < best["loss"]:
+                best.update(loss=loss, step=i, since=0, params=jax.tree_util.tree_map(jnp.copy, get_params(state)))
+            else:
+                best["since"] += 1
+            print(f"[{name}] step {i} validation loss {loss:.3f} (best {best['loss']:.3f} at step {best['step']})",
+                  flush=True)
+            if best["since"] >= opts["patience"]:
+                print(f"[{name}] early stop at step {i}: no better validation loss in {opts['patience']} checks",
+                      flush=True)
+                break
         if not steps and time.perf_counter() - start > 1.2 * seconds:
             print(f"[{name}] stopping at step {i}: past 1.2x the time box", flush=True)
             break
-    params = get_params(state)
+    params = best["params"]
     jax.block_until_ready(params)
-    record = {"steps": i, "scheduled_steps": total, "seconds": round(time.perf_counter() - start, 1),
-              "compile_seconds": round(compile_s, 1),
-              "params": count_params(params), "loss_curve": curve,
+    record = {"steps": i, "scheduled_steps": total, "kept_step": best["step"], "val_loss": round(best["loss"], 4),
+              "seconds": round(time.perf_counter() - start, 1), "compile_seconds": round(compile_s, 1),
+              "params": count_params(params), "loss_curve": curve, "val_curve": val_curve,
               "tokens_seen": i * opts["batch"] * (opts["seq_len"] + 2)}
     return params, record
 
@@ -360,11 +399,13 @@ def main(argv=None) -> int:
     log_every = args.log_every or (10 if args.tiny else 100)
 
     files = stdlib_files(include_tests=not args.no_tests, max_bytes=opts["corpus_bytes"])
-    train_texts, held_texts = split_files(files)
+    train_texts, val_texts, held_texts = split_files(files)
     tok = train_tokenizer(train_texts, opts["vocab"])
     specials = {s: tok.token_to_id(s) for s in SPECIALS}
     train_stream, held_stream = token_stream(tok, train_texts), token_stream(tok, held_texts)
-    corpus = {"python": sys.version.split()[0], "files_train": len(train_texts), "files_heldout": len(held_texts),
+    val_stream = token_stream(tok, val_texts)
+    corpus = {"python": sys.version.split()[0], "files_train": len(train_texts), "files_validation": len(val_texts),
+              "files_heldout": len(held_texts), "tokens_validation": int(len(val_stream)),
               "bytes_train": sum(len(t.encode()) for t in train_texts),
               "bytes_heldout": sum(len(t.encode()) for t in held_texts),
               "tokens_train": int(len(train_stream)), "tokens_heldout": int(len(held_stream)),
@@ -377,7 +418,7 @@ def main(argv=None) -> int:
         config = hf_config(sizes[name], opts["vocab"], specials, opts["max_pos"], mtp)
         cfg = ModelConfig.from_hf(config)
         params = init_params(cfg, args.seed + (0 if name == "target" else 1), mtp)
-        params, record = train_model(name, cfg, params, train_stream, opts, seconds=seconds, steps=steps,
+        params, record = train_model(name, cfg, params, train_stream, val_stream, opts, seconds=seconds, steps=steps,
                                      seed=args.seed + (10 if name == "target" else 11), mtp=mtp,
                                      log_every=log_every)
         write_checkpoint(out / name, config, cfg, params, tok, specials)
@@ -387,8 +428,10 @@ def main(argv=None) -> int:
     metrics.update(corpus=corpus, seed=args.seed, options=dict(opts), args=vars(args),
                    argv=sys.argv[1:] if argv is None else list(argv), jax=jax.__version__,
                    backend=jax.default_backend(),
-                   training={n: {k: v for k, v in r.items() if k != "loss_curve"} for n, (_, _, r) in models.items()},
+                   training={n: {k: v for k, v in r.items() if not k.endswith("_curve")}
+                             for n, (_, _, r) in models.items()},
                    loss_curves={n: r["loss_curve"] for n, (_, _, r) in models.items()},
+                   val_curves={n: r["val_curve"] for n, (_, _, r) in models.items()},
                    total_seconds=round(time.perf_counter() - t0, 1))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     write_sums(out)
