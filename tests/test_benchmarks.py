@@ -24,7 +24,7 @@ from benchmarks import common
 REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-SCRIPTS = ("step_times", "e2e", "kernels", "peers", "plot", "report")
+SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "plot", "report")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -44,9 +44,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
 def smoke(tmp_path_factory) -> dict:
     """{script: (json dict, stdout)} of every smoke run, plus the --help outputs."""
     out = tmp_path_factory.mktemp("bench")
-    path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers")}
+    path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers")}
+    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers", "profile_step")}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
     plot = _start("plot", "--input", str(path["step_times"]), "--out", str(out / "verify_curve.png"))
@@ -127,6 +127,16 @@ def test_peers_smoke(smoke):
         assert by["demo-qwen3"][mode]["tokens_per_s"] > 0 and by["demo-qwen3"][mode]["tokens"] == 8
     assert "stateful" in by["demo-qwen3.5"]["assisted"]["refused"]
     assert by["demo-qwen3.5"]["static_compile"]["compiled"] is True
+
+
+def test_profile_step_smoke(smoke):
+    doc = smoke["json"]["profile_step"]
+    _common_keys(doc, "profile_step")
+    steps = [r["step"] for r in doc["results"]]
+    assert steps == ["decode T=1 (engine step)", "forward+argmax T=1", "verify round k=1 T=2", "forward+argmax T=2"]
+    for r in doc["results"]:
+        assert r["pipelined_ms"] > 0 and r["floor_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
+    assert "top kernels" in smoke["stdout"]["profile_step"]
 
 
 def test_plot_and_report(smoke):

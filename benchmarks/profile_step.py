@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Where one step's time goes (issue 7, the profile note): a jax.profiler trace of the plain decode
+step and of the speculative verify round of one shape, reduced to a per-kernel table.
+
+For each step (the engine's decode executable at T = 1, the replay round at T = 1 + k for each --ks,
+and the bare forward + argmax at the same T, which isolates the sampler's share): the pipelined and
+per-call wall time, the device-busy time (sum of GPU kernel durations per step, from the trace), the
+kernel count per step, and the kernels that take the most time, grouped by name. Wall time well
+above device-busy time means host launches or synchronisation; device-busy time above the
+weight-read floor means slow kernels. The raw trace stays in --trace-dir for TensorBoard / XProf.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import collections  # noqa: E402
+import functools  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common, step_times  # noqa: E402
+from benchmarks.common import fmt, log  # noqa: E402
+
+SMOKE = dict(shapes="demo-qwen3.5", batch=1, ks="1", context=24, repeats=2, traced=2, top=5)
+
+
+def parse(argv=None):
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=1, help="requests per step")
+    p.add_argument("--ks", default="1,3", help="draft lengths of the verify rounds profiled")
+    p.add_argument("--context", type=int, default=512, help="tokens already cached in every row")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--traced", type=int, default=10, help="calls of each step inside the trace")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per step")
+    p.add_argument("--trace-dir", default=None, help="keep the raw traces here (default: a temporary directory)")
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(**SMOKE)
+    args = p.parse_args(argv)
+    common.check_repeats(args)
+    args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
+    if args.batch > args.engine["max_num_seqs"]:
+        raise SystemExit(f"--batch {args.batch}: at most max_num_seqs={args.engine['max_num_seqs']}")
+    return args
+
+
+def _forward_argmax(params, caches, num_accepted, inputs, *, cfg, ecfg, kernels):
+    """The trunk and a greedy argmax only: the step without the sampler."""
+    from jaxspec.engine import make_batch
+    from jaxspec.models.model import forward
+
+    logits, _, caches = forward(params, cfg, caches, make_batch(inputs, num_accepted, ecfg), mode="verify",
+                                kernels=kernels, last_only=False)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches, num_accepted
+
+
+def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every device kernel in the newest trace under trace_dir; on a
+    backend without device planes (CPU) the XLA runtime threads' events stand in."""
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return []
+    data = jax.profiler.ProfileData.from_file(str(files[-1]))
+    device = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    if device:  # GPU: the stream lines hold kernels and copies; "XLA Ops" / "XLA Modules" summarise them
+        lines = [line for p in device for line in p.lines if re.match(r"Stream #\d+", line.name)]
+        lines = lines or [line for p in device for line in p.lines if "XLA" not in line.name]
+    else:
+        lines = [line for p in data.planes if p.name == "/host:CPU" for line in p.lines
+                 if line.name.startswith("tf_XLA")]
+    return [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
+
+
+def profile(call, args, name: str, trace_root: str) -> dict:
+    timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=8)
+    trace_dir = str(Path(trace_root) / re.sub(r"\W+", "_", name))
+    with jax.profiler.trace(trace_dir):
+        out = None
+        for _ in range(args.traced):
+            out = call()
+        common.block(out)
+    events = _kernel_events(trace_dir)
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for kname, _, dur in events:
+        by_name[kname][0] += dur
+        by_name[kname][1] += 1
+    busy_ms = sum(d for _, _, d in events) / 1e6 / args.traced
+    span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / args.traced
+               if events else None)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]
+    return {"step": name, "pipelined_ms": timing["pipelined"]["median_ms"], "latency_ms": timing["latency"]["median_ms"],
+            "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / args.traced,
+            "top": [{"name": n[:160], "ms_per_step": t / 1e6 / args.traced, "calls_per_step": c / args.traced}
+                    for n, (t, c) in top]}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from jaxspec.engine import step_executable
+    from jaxspec.spec.step import round_executable
+
+    name = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b",))[0]
+    layers = common.parse_layers(args.layers, [name])[name]
+    res = common.Results("profile_step", args)
+    hf = common.shape_config(name, layers)
+    model = common.build_model(hf, dtype=args.dtype, kernels=args.kernels, engine=args.engine)
+    eng = model.engine(0)
+    eng.caches = common.block(step_times._randomise(eng.caches, jax.random.PRNGKey(7)))
+    cfg, ecfg, R, ks = model.config, eng.ecfg, args.batch, common.int_list(args.ks)
+    _, inputs = step_times._batch_inputs(model, eng, R, ks, args.context)
+    st = {"caches": eng.caches, "na": eng.num_accepted}
+    weights = common.params_bytes_by_kind(cfg, args.dtype)
+    bw = common.measure_bandwidth(common.GiB if not args.smoke else common.GiB // 32)
+    forward = jax.jit(functools.partial(_forward_argmax, cfg=cfg, ecfg=ecfg, kernels=eng.kernels),
+                      donate_argnums=(1, 2))
+    step = step_executable(cfg, ecfg, eng.kernels)
+    rng = np.random.default_rng(0)
+
+    def step_call(step_in, sp):
+        tokens, st["caches"], st["na"] = step(model.params, st["caches"], st["na"], step_in, sp, mode="verify",
+                                              last_only=False)
+        return tokens
+
+    def forward_call(T):
+        step_in = jax.device_put(dict(tokens=rng.integers(0, 1000, (R, T)).astype(np.int32),
+                                      start_pos=np.full((R,), args.context, np.int32),
+                                      num_valid=np.full((R,), T, np.int32), block_tables=step_times._tables(ecfg, R),
+                                      seq_slot=np.arange(1, R + 1, dtype=np.int32)))
+
+        def call():
+            tokens, st["caches"], st["na"] = forward(model.params, st["caches"], st["na"], step_in)
+            return tokens
+        return call
+
+    def round_call(k):
+        dparams, dstate, rnd, sp, drafter = inputs[("verify", k)]
+        fn = round_executable(cfg, ecfg, drafter, eng.kernels)
+        st[k] = dstate
+
+        def call():
+            emitted, _, st["caches"], st["na"], st[k] = fn(model.params, st["caches"], st["na"], dparams, st[k],
+                                                           rnd, sp)
+            return emitted
+        return call
+
+    plan = [("decode T=1 (engine step)", 1, functools.partial(step_call, *inputs[("decode", 0)])),
+            ("forward+argmax T=1", 1, forward_call(1))]
+    for k in ks:
+        plan += [(f"verify round k={k} T={1 + k}", 1 + k, round_call(k)), (f"forward+argmax T={1 + k}", 1 + k,
+                                                                           forward_call(1 + k))]
+    trace_root = args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-")
+    for label, T, call in plan:
+        try:
+            item = profile(call, args, label, trace_root)
+        except Exception as e:
+            res.error(label, e)
+            continue
+        item["floor_ms"] = common.step_bytes(cfg, weights, R, T, args.context)["floor"] / bw["bytes_per_s"] * 1e3
+        res.add(item)
+        log(f"{label}: pipelined {item['pipelined_ms']:.3f} ms, device busy {fmt(item['device_busy_ms'], 3)} ms, "
+            f"{item['kernels_per_step']:.0f} kernels")
+    res.data.update(shape=name, layers=hf["num_hidden_layers"], batch=R, context=args.context, bandwidth=bw,
+                    trace_dir=trace_root)
+    res.finish()
+    rows = [[r["step"], fmt(r["pipelined_ms"], 3), fmt(r["latency_ms"], 3), fmt(r["device_busy_ms"], 3),
+             fmt(r["floor_ms"], 3), f"{r['kernels_per_step']:.0f}"] for r in res.data["results"]]
+    print(f"\n{name} ({hf['num_hidden_layers']} layers), batch {R}, context {args.context}, kernels {eng.kernels}")
+    print(common.format_table(rows, ["step", "pipelined ms", "latency ms", "device busy ms", "floor ms", "kernels"]))
+    for r in res.data["results"]:
+        print(f"\n{r['step']}: top kernels")
+        print(common.format_table([[t["name"][:90], fmt(t["ms_per_step"], 4), fmt(t["calls_per_step"], 1)]
+                                   for t in r["top"]], ["kernel", "ms/step", "calls/step"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
