@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Kernels (issue 6): each Pallas kernel against its XLA reference, and flash-linear-attention's
 fused_recurrent / chunk gated delta rule where `import fla` works, on the Qwen3.5-2B, Qwen3.5-27B
-and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}.
+and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}. On a GPU the verify
+recurrence also runs its Mosaic GPU kernel (impl "mosaic"), so the Triton-vs-Mosaic backend choice
+is measured in the same run.
 
 Kernels: gdn_verify (recurrent, T = 1+k, one fp32 state snapshot per token; floor = state read
 once + T snapshots written + q/k/v/o), paged span attention (T = 1+k queries over --context cached
@@ -38,6 +40,7 @@ ATTN_LAYOUTS = {"qwen3-4b": (32, 8, 128), "qwen3.5-2b": (8, 2, 256), "qwen3.5-27
 SMOKE_GDN = {"demo": (2, 4, 32, 32)}
 SMOKE_ATTN = {"demo": (4, 2, 32)}
 KERNELS = ("gdn_verify", "attention", "conv", "prefill")
+IMPLS = ("xla", "pallas", "mosaic")
 CONV_K, PAGE, KMAX = 4, 16, 15
 L2_BYTES = 256 * 2**20  # rotate inputs until one pass covers this many bytes (L2 is 60 MB)
 
@@ -55,6 +58,8 @@ def parse(argv=None):
     p.add_argument("--prefill-lens", default="64,512", help="prompt chunk lengths for the prefill kernel")
     p.add_argument("--prefill-batches", default="1,8")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
+    p.add_argument("--impls", default="xla,pallas,mosaic",
+                   help="implementations to time (mosaic: gdn_verify only, on a GPU)")
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention comparison")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
     p.add_argument("--bandwidth-gib", type=float, default=2.0)
@@ -65,6 +70,9 @@ def parse(argv=None):
     bad = [k for k in args.kernels.split(",") if k not in KERNELS]
     if bad:
         raise SystemExit(f"--kernels: unknown kernel {bad[0]!r}; valid: {', '.join(KERNELS)}")
+    bad = [i for i in args.impls.split(",") if i not in IMPLS]
+    if bad:
+        raise SystemExit(f"--impls: unknown implementation {bad[0]!r}; valid: {', '.join(IMPLS)}")
     if max(common.int_list(args.ks)) > KMAX:
         raise SystemExit(f"--ks: k <= {KMAX}")
     return args
@@ -269,8 +277,10 @@ def run_layout(kernel: str, name: str, layout, api, args, res, bandwidth: float)
 
     rng = np.random.default_rng(0)
     built, makers = {}, {}
+    on_gpu = jax.default_backend() == "gpu"
+    impls = [i for i in args.impls.split(",") if i != "mosaic" or (kernel == "gdn_verify" and on_gpu)]
     for B, T in _configs(kernel, args):
-        for impl in ("xla", "pallas"):
+        for impl in impls:
             try:
                 fn, call_args, nbytes, rot = _build(kernel, api, layout, B, T, impl, args, rng)
             except Exception as e:
@@ -368,17 +378,17 @@ def print_tables(res) -> None:
         by.setdefault((r["kernel"], r["layout"], r["B"], r["T"]), {})[r["impl"]] = r
     rows = []
     for (kernel, layout, B, T), impls in by.items():
-        x, p, f = impls.get("xla"), impls.get("pallas"), impls.get("fla")
+        x, p, f, m = impls.get("xla"), impls.get("pallas"), impls.get("fla"), impls.get("mosaic")
         one = by.get((kernel, layout, B, 1), {}).get("pallas") if kernel == "attention" else None
         floor = (p or x or f)["floor_us"]
         star = {i: ("*" if r and r.get("host_bound") else "") for i, r in (("x", x), ("p", p))}
         rows.append([kernel, layout, B, T, fmt(x and x["us"], 1) + star["x"], fmt(p and p["us"], 1) + star["p"],
-                     fmt(f and f["us"], 1),
+                     fmt(m and m["us"], 1), fmt(f and f["us"], 1),
                      fmt(floor, 1), fmt(p and p["us"] / floor), fmt(x and p and x["us"] / p["us"]),
                      fmt(one and p and p["us"] / one["us"])])
     print("\nkernels (us per call; floor = bytes / measured bandwidth; * = host-bound: an upper bound)")
-    print(common.format_table(rows, ["kernel", "layout", "B", "T", "xla", "pallas", "fla", "floor", "pallas/floor",
-                                     "xla/pallas", "t(T)/t(1)"]))
+    print(common.format_table(rows, ["kernel", "layout", "B", "T", "xla", "pallas", "mosaic", "fla", "floor",
+                                     "pallas/floor", "xla/pallas", "t(T)/t(1)"]))
 
 
 def main(argv=None) -> int:

@@ -11,16 +11,20 @@ from pallas_kernels.gated_delta import reference
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
 from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+from pallas_kernels.gated_delta.recurrent_mosaic import gdn_verify_mosaic
 
 __all__ = ["conv_update", "gdn_prefill", "gdn_verify"]
 
 IMPLEMENTATIONS = ("xla", "pallas")
+# The verify recurrence also has a Mosaic GPU kernel, measured against the Triton one
+# (benchmarks/kernels.py); it is not what kernels="pallas" uses. sm_90+ only.
+VERIFY_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "mosaic")
 
 
 def _use_pallas(implementation: str, interpret: bool | None) -> tuple[bool, bool]:
     """(use Pallas?, interpret?); interpret defaults to True when the default backend is CPU."""
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS} (gdn_verify also takes 'mosaic')")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return implementation == "pallas", interpret
@@ -32,8 +36,14 @@ def gdn_verify(
 ):
     """Recurrent GDN over T = 1+k tokens with a snapshot per token -> (o [B, T, HV, dv] f32, pool).
     q, k [B, T, HK, dk]; v [B, T, HV, dv]; g, beta [B, T, HV]; pool [S, HV, dk, dv] f32;
-    read_idx [B]; write_idx [B, T]; has_state [B] bool; num_valid [B]."""
+    read_idx [B]; write_idx [B, T]; has_state [B] bool; num_valid [B].
+    implementation "mosaic" runs the Mosaic GPU kernel (recurrent_mosaic.py; no interpret mode)."""
     args = (q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
+    if implementation == "mosaic":
+        if interpret or (interpret is None and jax.default_backend() != "gpu"):
+            raise ValueError(f"implementation='mosaic' has no interpret mode here ({interpret=}); it needs an sm_90+ "
+                             "GPU. Valid on CPU: 'xla', 'pallas'")
+        return gdn_verify_mosaic(*args)
     pallas, interpret = _use_pallas(implementation, interpret)
     if pallas:
         return gdn_verify_pallas(*args, interpret=interpret)
