@@ -157,7 +157,11 @@ def main(argv=None) -> int:
         plan += [(f"verify round k={k} T={1 + k}", 1 + k, round_call(k)), (f"forward+argmax T={1 + k}", 1 + k,
                                                                            forward_call(1 + k))]
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-")
+    budget = common.Budget(args.budget_s)
     for label, T, call in plan:
+        if not budget.allows():
+            res.skip(label, "budget spent")
+            continue
         try:
             item = profile(call, args, label, trace_root)
         except Exception as e:
@@ -168,17 +172,23 @@ def main(argv=None) -> int:
         log(f"{label}: pipelined {item['pipelined_ms']:.3f} ms, device busy {fmt(item['device_busy_ms'], 3)} ms, "
             f"{item['kernels_per_step']:.0f} kernels")
     res.data.update(shape=name, layers=hf["num_hidden_layers"], batch=R, context=args.context, bandwidth=bw,
-                    trace_dir=trace_root)
+                    kernels=eng.kernels, trace_dir=trace_root)
     res.finish()
+    print_tables(res)
+    return 0
+
+
+def print_tables(res) -> None:
+    d = res.data
     rows = [[r["step"], fmt(r["pipelined_ms"], 3), fmt(r["latency_ms"], 3), fmt(r["device_busy_ms"], 3),
-             fmt(r["floor_ms"], 3), f"{r['kernels_per_step']:.0f}"] for r in res.data["results"]]
-    print(f"\n{name} ({hf['num_hidden_layers']} layers), batch {R}, context {args.context}, kernels {eng.kernels}")
+             fmt(r["floor_ms"], 3), f"{r['kernels_per_step']:.0f}"] for r in d["results"]]
+    print(f"\n{d.get('shape')} ({d.get('layers')} layers), batch {d.get('batch')}, context {d.get('context')}, "
+          f"kernels {d.get('kernels')}")
     print(common.format_table(rows, ["step", "pipelined ms", "latency ms", "device busy ms", "floor ms", "kernels"]))
-    for r in res.data["results"]:
+    for r in d["results"]:
         print(f"\n{r['step']}: top kernels")
         print(common.format_table([[t["name"][:90], fmt(t["ms_per_step"], 4), fmt(t["calls_per_step"], 1)]
                                    for t in r["top"]], ["kernel", "ms/step", "calls/step"]))
-    return 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from benchmarks import common
 REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "plot", "report")
+SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "plot", "report")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -44,9 +44,10 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
 def smoke(tmp_path_factory) -> dict:
     """{script: (json dict, stdout)} of every smoke run, plus the --help outputs."""
     out = tmp_path_factory.mktemp("bench")
-    path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step")}
+    path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step",
+                                                   "demo_drafters")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers", "profile_step")}
+    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers", "profile_step", "demo_drafters")}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
     plot = _start("plot", "--input", str(path["step_times"]), "--out", str(out / "verify_curve.png"))
@@ -137,6 +138,19 @@ def test_profile_step_smoke(smoke):
     for r in doc["results"]:
         assert r["pipelined_ms"] > 0 and r["floor_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
     assert "top kernels" in smoke["stdout"]["profile_step"]
+
+
+def test_demo_drafters_smoke(smoke):
+    doc = smoke["json"]["demo_drafters"]
+    _common_keys(doc, "demo_drafters")
+    assert len(doc["prompts"]) == 2 and all(p.endswith(".py") for p in doc["prompts"])
+    rows = {(r["method"], r["k"]): r for r in doc["results"]}
+    assert set(rows) == {("plain", 0), ("draft_model", 2), ("ngram", 2)}
+    assert all(r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0 for r in rows.values())  # exact lengths
+    for method in ("draft_model", "ngram"):
+        r = rows[(method, 2)]
+        assert r["greedy_equal"] and len(r["acceptance_by_position"]) == 2 and 1.0 <= r["tau"] <= 3.0
+    assert "acceptance by position" in smoke["stdout"]["demo_drafters"]
 
 
 def test_plot_and_report(smoke):

@@ -47,7 +47,7 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "{% endif %}")
 # Files split by sha256(relative path) % 20 (independent of the seed): 0 = held out (the metrics), 1 =
 # validation (early stopping), the rest = training.
-HELDOUT_EVERY = 20
+HELDOUT_EVERY, HELDOUT_BUCKET, VALIDATION_BUCKET = 20, 0, 1
 MAX_FILE_BYTES = 1 << 20
 
 # Model shapes. Target ~7.1M params (14.2 MB bf16 with the MTP head), draft ~1.4M (2.8 MB).
@@ -106,9 +106,14 @@ def split_files(files):
     move a file). Validation picks the step to keep; held-out is only ever used for the final metrics."""
     train, val, held = [], [], []
     for rel, text in files:
-        bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_EVERY
-        (held if bucket == 0 else val if bucket == 1 else train).append(text)
+        bucket = file_bucket(rel)
+        (held if bucket == HELDOUT_BUCKET else val if bucket == VALIDATION_BUCKET else train).append(text)
     return train, val, held
+
+
+def file_bucket(rel: str) -> int:
+    """The split bucket of a stdlib file from its relative path."""
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_EVERY
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
