@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark the H200 run needs, in one call, inside a total time limit:
-#   step_times -> e2e -> kernels -> peers -> profile_step -> demo_drafters -> plot -> report
+#   step_times -> e2e -> kernels -> peers -> profile_step -> demo_drafters -> startup -> plot -> report
 # Each script gets a soft budget (--budget-s: it skips what would start too late and records it)
 # and a hard limit (timeout) clipped to what is left of the total; results are written after every
 # item, so a script that is stopped keeps what it measured. A failing script is recorded in
@@ -62,18 +62,18 @@ echo "fla for kernels.py: ${FLA_PATH:-not installed (kernels.py records why it s
 
 if [[ "${BENCH_SMOKE:-0}" == 1 ]]; then  # the scripts' CPU smoke modes: checks this file itself
   STEP_ARGS=(--smoke) E2E_ARGS=(--smoke) PEER_ARGS=(--smoke) KERNEL_ARGS=(--smoke) PROFILE_ARGS=(--smoke)
-  DEMO_ARGS=(--smoke)
+  DEMO_ARGS=(--smoke) STARTUP_ARGS=(--smoke)
 elif [[ "${BENCH_QUICK:-0}" == 1 ]]; then
   STEP_ARGS=(--shapes qwen3.5-2b,qwen3-4b --batches 1 --ks 1,3,7,15 --eager first)
   E2E_ARGS=(--shapes qwen3.5-2b --repeats 3)
   PEER_ARGS=(--shapes qwen3.5-2b --modes eager,assisted)
-  PROFILE_ARGS=(--shapes qwen3.5-2b) DEMO_ARGS=(--num-prompts 8)
+  PROFILE_ARGS=(--shapes qwen3.5-2b) DEMO_ARGS=(--num-prompts 8) STARTUP_ARGS=(--shapes qwen3.5-2b)
 else
   STEP_ARGS=(--shapes qwen3-4b,qwen3.5-2b,qwen3.5-27b,qwen3.5-35b-a3b
              --layers qwen3.5-27b=16,qwen3.5-35b-a3b=8 --batches 1,8,4 --ks 1,3,7,15 --eager first)
   E2E_ARGS=(--shapes qwen3.5-2b,qwen3-4b --repeats 3)
   PEER_ARGS=(--shapes qwen3.5-2b,qwen3-4b)
-  PROFILE_ARGS=(--shapes qwen3-4b) DEMO_ARGS=()
+  PROFILE_ARGS=(--shapes qwen3-4b) DEMO_ARGS=() STARTUP_ARGS=()
 fi
 
 run step_times 200 "$PY" benchmarks/step_times.py --out "$OUT/step_times.json" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
@@ -85,6 +85,7 @@ run profile_step 60 "$PY" benchmarks/profile_step.py --out "$OUT/profile_step.js
   --trace-dir "$OUT/traces" ${PROFILE_ARGS[@]+"${PROFILE_ARGS[@]}"}
 run demo_drafters 60 "$PY" benchmarks/demo_drafters.py --out "$OUT/demo_drafters.json" \
   ${DEMO_ARGS[@]+"${DEMO_ARGS[@]}"}
+run startup 150 "$PY" benchmarks/startup.py --out "$OUT/startup.json" ${STARTUP_ARGS[@]+"${STARTUP_ARGS[@]}"}
 
 if [[ -f "$OUT/step_times.json" ]]; then
   "$PY" benchmarks/plot.py --input "$OUT/step_times.json" --out "$OUT/verify_curve.png" > "$OUT/plot.log" 2>&1

@@ -24,7 +24,8 @@ from benchmarks import common
 REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "plot", "report")
+SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "plot",
+           "report")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -45,9 +46,10 @@ def smoke(tmp_path_factory) -> dict:
     """{script: (json dict, stdout)} of every smoke run, plus the --help outputs."""
     out = tmp_path_factory.mktemp("bench")
     path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step",
-                                                   "demo_drafters")}
+                                                   "demo_drafters", "startup")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers", "profile_step", "demo_drafters")}
+    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers", "profile_step", "demo_drafters",
+                                                                      "startup")}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
     plot = _start("plot", "--input", str(path["step_times"]), "--out", str(out / "verify_curve.png"))
@@ -151,6 +153,18 @@ def test_demo_drafters_smoke(smoke):
         r = rows[(method, 2)]
         assert r["greedy_equal"] and len(r["acceptance_by_position"]) == 2 and 1.0 <= r["tau"] <= 3.0
     assert "acceptance by position" in smoke["stdout"]["demo_drafters"]
+
+
+def test_startup_smoke(smoke):
+    doc = smoke["json"]["startup"]
+    _common_keys(doc, "startup")
+    runs = doc["results"][0]["runs"]
+    assert list(runs) == ["cold", "warm", "precompile", "after_precompile"]
+    assert all(r["returncode"] == 0 for r in runs.values())
+    assert runs["cold"]["compiles"] > 0 and runs["cold"]["cache_loads"] == 0
+    for warm in ("warm", "after_precompile"):  # served from the persistent cache: nothing compiles
+        assert runs[warm]["compiles"] == 0 and runs[warm]["cache_loads"] == runs["cold"]["compiles"]
+    assert "ttft s" in smoke["stdout"]["startup"]
 
 
 def test_plot_and_report(smoke):
