@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The trained demo pair's drafters on held-out standard-library prompts (issue 9): tau, acceptance by
-draft position and tokens/s of draft_model and ngram at k in {2, 4, 8}, against plain greedy, on
-whatever backend runs the script (CPU or GPU).
+draft position and tokens/s of draft_model, ngram and mtp (the target's own MTP head) at k in
+{2, 4, 8}, against plain greedy, on whatever backend runs the script (CPU or GPU).
 
 Prompts: the first --prompt-len tokens of held-out standard-library files (the split
 tools/train_demo.py never trains on: sha256(relative path) % 20 == 0), in path order. Every
@@ -24,7 +24,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
 SMOKE = dict(num_prompts=2, prompt_len=24, new_tokens=8, ks="2", repeats=1)
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "mtp")
 
 
 def parse(argv=None):

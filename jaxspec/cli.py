@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-METHODS = ("ngram", "draft_model", "replay")
+from jaxspec.spec.config import METHODS
 
 
 def _positive(name: str):
@@ -102,7 +102,7 @@ def _speculative(args, model, prompts):
     if args.speculative == "replay":  # reference = the target's own greedy continuation
         ref = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens + args.k + 1).token_ids
         return jaxspec.SpeculativeConfig("replay", args.k, replay_tokens=ref, replay_alpha=args.replay_alpha)
-    return jaxspec.SpeculativeConfig("ngram", args.k)
+    return jaxspec.SpeculativeConfig(args.speculative, args.k)  # ngram, mtp
 
 
 def _cmd_generate(args) -> int:

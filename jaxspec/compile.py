@@ -154,7 +154,7 @@ class Bucket:
     """One executable. Key = (num_tokens, num_reqs, uniform query length), as vLLM's BatchDescriptor;
     engine_k is the k_max its caches are sized for."""
 
-    name: str  # "prefill" | "decode" | "verify[<method>]" | "draft_prefill"
+    name: str  # "prefill" | "decode" | "verify[<method>]" | "draft_prefill" | "prefill_hidden" | "admit[mtp]"
     num_reqs: int
     query_len: int
     engine_k: int = 0
@@ -197,13 +197,17 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None) ->
     run_ks = k_values if model.k_mode == "per_k" else ((model.max_num_speculative_tokens,) if k_values else ())
     for k in run_ks:
         add(Bucket("allocate", 0, 0, engine_k(k)))
-        add(Bucket("prefill", 1, chunk, engine_k(k)))
+        if any(method != "mtp" for method in methods):  # mtp prefills through prefill_hidden
+            add(Bucket("prefill", 1, chunk, engine_k(k)))
         for method in methods:
             for r in buckets:
                 add(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method))
             if method == "draft_model":
                 add(Bucket("draft_allocate", 0, 0, k, k, method))
                 add(Bucket("draft_prefill", 1, draft_model.prefill_chunk, k, k, method))
+            elif method == "mtp":  # the prefill hands its hidden states to the MTP head's prompt pass
+                add(Bucket("prefill_hidden", 1, chunk, engine_k(k)))
+                add(Bucket("admit[mtp]", 1, chunk, engine_k(k), k, method))
             else:
                 add(Bucket(f"admit[{method}]", 1, 0, engine_k(k), k, method))
     return table
@@ -265,13 +269,39 @@ def _engine_args(model, ecfg):
     return model.params, caches, _shape((ecfg.max_num_seqs + 1,), jnp.int32)
 
 
-def _lower_step(model, ecfg, R: int, T: int, mode: str, last_only: bool):
+def _lower_step(model, ecfg, R: int, T: int, mode: str, last_only: bool, with_hidden: bool = False):
     from jaxspec import ops
     from jaxspec.engine import step_executable
 
     fn = step_executable(model.config, ecfg, ops.resolve_kernels(model.kernels))
     return fn.lower(*_engine_args(model, ecfg), _step_inputs(ecfg, R, T), _sampling(R), mode=mode,
-                    last_only=last_only)
+                    last_only=last_only, with_hidden=with_hidden)
+
+
+def _mtp_state(drafter, ecfg, dtype) -> dict:
+    """Abstract MTP drafter state, as spec.mtp.init_state allocates it."""
+    import jax.numpy as jnp
+
+    from jaxspec.spec import mtp
+
+    return {"kv": mtp.kv_shapes(drafter.cfg, ecfg.total_pages, ecfg.page_size, drafter.num_layers, dtype),
+            "drafts": _shape((ecfg.max_num_seqs + 1, drafter.k), jnp.int32)}
+
+
+def _lower_mtp_admit(model, ecfg, bucket: Bucket):
+    """The MTP head's pass over one prefill chunk (spec.mtp.admit_executable)."""
+    import jax.numpy as jnp
+
+    from jaxspec.spec import mtp
+    from jaxspec.spec.session import make_drafter
+
+    drafter = make_drafter("mtp", model, ecfg, bucket.k)
+    C, i32 = bucket.query_len, jnp.int32
+    hidden = _shape((1, C, model.config.hidden_size), model.dtype)  # the prefill's final hidden states
+    return mtp.admit_executable(drafter).lower(
+        mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype), hidden, next_tokens=_shape((1, C), i32),
+        start=_shape((1,), i32), n=_shape((1,), i32), tables=_shape((1, ecfg.pages_per_seq), i32),
+        slot=_shape((1,), i32))
 
 
 def _lower_round(model, ecfg, bucket: Bucket, draft_model):
@@ -289,6 +319,11 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
         dparams = draft_model.params
         dstate = {"caches": cache.cache_shapes(draft_model.config, drafter.ecfg, draft_model.dtype)}
         aux = drafter.ecfg.pages_per_seq
+    elif bucket.method == "mtp":
+        from jaxspec.spec import mtp
+
+        dparams, dstate, aux = mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype), \
+            ecfg.pages_per_seq
     else:
         dparams = {"alpha": _shape((), jnp.float32), "seed": _shape((), jnp.uint32)} if bucket.method == "replay" \
             else None
@@ -318,6 +353,10 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
         return cache.allocate_executable(draft_model.config, draft_ecfg, jnp.dtype(draft_model.dtype)).lower()
     if bucket.name == "prefill":
         return _lower_step(model, ecfg, 1, bucket.query_len, "prefill", True)
+    if bucket.name == "prefill_hidden":
+        return _lower_step(model, ecfg, 1, bucket.query_len, "prefill", True, with_hidden=True)
+    if bucket.name == "admit[mtp]":
+        return _lower_mtp_admit(model, ecfg, bucket)
     if bucket.name == "decode":
         return _lower_step(model, ecfg, bucket.num_reqs, 1, "verify", False)
     if bucket.name == "draft_prefill":

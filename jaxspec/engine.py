@@ -78,21 +78,22 @@ def make_batch(inputs: dict, num_accepted, ecfg: EngineConfig) -> StepBatch:
 
 
 def step(params, caches, num_accepted, inputs: dict, sp: sampling.SamplingParams, *, cfg: ModelConfig,
-         ecfg: EngineConfig, mode: str, kernels: str, last_only: bool):
+         ecfg: EngineConfig, mode: str, kernels: str, last_only: bool, with_hidden: bool = False):
     """One forward + on-device sampling. num_accepted [S+1] int32 lives on device (index = slot).
 
-    Returns (tokens [R, T'] int32, caches, num_accepted) with T' = 1 when last_only. The token sampled
+    Returns (tokens [R, T'] int32, caches, num_accepted) with T' = 1 when last_only, and the final
+    hidden states [R, T, H] last when with_hidden (the MTP drafter's prompt input). The token sampled
     from input position p has absolute position p + 1, which keys its random numbers.
     """
     batch = make_batch(inputs, num_accepted, ecfg)
-    logits, _, caches = forward(params, cfg, caches, batch, mode=mode, kernels=kernels, last_only=last_only)
+    logits, hidden, caches = forward(params, cfg, caches, batch, mode=mode, kernels=kernels, last_only=last_only)
     if last_only:
         positions = (batch.start_pos + batch.num_valid)[:, None]  # [R, 1]
     else:
         positions = batch.start_pos[:, None] + 1 + jnp.arange(logits.shape[1], dtype=jnp.int32)[None, :]
     tokens = sampling.sample(logits, sp, positions)
     num_accepted = num_accepted.at[inputs["seq_slot"]].set(1)  # padding rows write the unused index 0
-    return tokens, caches, num_accepted
+    return (tokens, caches, num_accepted, hidden) if with_hidden else (tokens, caches, num_accepted)
 
 
 def logits_step(params, caches, num_accepted, inputs: dict, *, cfg: ModelConfig, ecfg: EngineConfig, mode: str,
@@ -113,7 +114,7 @@ def step_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str):
     """The jitted step for one (model config, engine config, kernels); shared by every Engine with
     these settings so re-creating an engine never retraces. Caches and num_accepted are donated."""
     return jax.jit(functools.partial(step, cfg=cfg, ecfg=ecfg, kernels=kernels),
-                   static_argnames=("mode", "last_only"), donate_argnums=(1, 2))
+                   static_argnames=("mode", "last_only", "with_hidden"), donate_argnums=(1, 2))
 
 
 @functools.cache
@@ -185,24 +186,36 @@ class Engine:
         batch = dict(tokens=tokens, start_pos=start, num_valid=valid, block_tables=tables, seq_slot=slots)
         return StepInputs(batch=jax.device_put(batch), sampling=row_sampling(rows, R))  # transfers only
 
-    def run(self, rows: list[Row], *, T: int, mode: str, last_only: bool) -> np.ndarray:
-        """Run one step over rows (each with <= T tokens) and return sampled tokens on the host."""
+    def run(self, rows: list[Row], *, T: int, mode: str, last_only: bool, with_hidden: bool = False):
+        """Run one step over rows (each with <= T tokens) and return sampled tokens on the host
+        (and, with_hidden, the final hidden states [R, T, H], left on device)."""
         for row in rows:
             self.ensure_pages(row.slot, row.start_pos + len(row.tokens))
         R = self.ecfg.request_bucket(len(rows))
         inputs = self.build_inputs(rows, R, T)
-        tokens, self.caches, self.num_accepted = self._step(
+        tokens, self.caches, self.num_accepted, *hidden = self._step(
             self.model.params, self.caches, self.num_accepted, inputs.batch, inputs.sampling,
-            mode=mode, last_only=last_only)
-        return np.asarray(tokens)[:len(rows)]
+            mode=mode, last_only=last_only, with_hidden=with_hidden)
+        tokens = np.asarray(tokens)[:len(rows)]
+        return (tokens, hidden[0]) if with_hidden else tokens
 
-    def prefill(self, row: Row) -> int:
-        """Prefill one request's prompt in fixed chunks; returns the first sampled token."""
+    def prefill(self, row: Row, on_hidden=None) -> int:
+        """Prefill one request's prompt in fixed chunks; returns the first sampled token.
+
+        on_hidden(start, hidden [1, C, H], next_tokens): called after each chunk with the chunk's
+        final hidden states (on device) and the token after each of its positions (the prompt's
+        next token; the first sampled token after the last one), as the MTP drafter consumes them."""
         C = self.ecfg.prefill_chunk
         prompt, pos, token = row.tokens, row.start_pos, None
         while pos < len(prompt):
             chunk = Row(**{**row.__dict__, "tokens": prompt[pos:pos + C], "start_pos": pos})
-            token = int(self.run([chunk], T=C, mode="prefill", last_only=True)[0, 0])
+            if on_hidden is None:
+                token = int(self.run([chunk], T=C, mode="prefill", last_only=True)[0, 0])
+            else:
+                tokens, hidden = self.run([chunk], T=C, mode="prefill", last_only=True, with_hidden=True)
+                token = int(tokens[0, 0])
+                nxt = list(prompt[pos + 1:pos + 1 + len(chunk.tokens)])
+                on_hidden(pos, hidden, nxt + [token] * (len(chunk.tokens) - len(nxt)))
             pos += len(chunk.tokens)
         return token
 

@@ -183,11 +183,12 @@ def _plain_events(engine, requests: list[Request], stats: GenerateStats) -> Iter
                 yield req.index, req.accept([int(t)])
 
 
-def admit(engine, req: Request, active: list[Request], stats: GenerateStats) -> None:
-    """Give the request a slot, prefill its prompt and keep the first sampled token."""
+def admit(engine, req: Request, active: list[Request], stats: GenerateStats, on_hidden=None) -> None:
+    """Give the request a slot, prefill its prompt and keep the first sampled token (on_hidden: see
+    Engine.prefill; the MTP drafter consumes the prompt's hidden states through it)."""
     req.slot = engine.acquire_slot()
     active.append(req)
-    first = engine.prefill(req.row(req.prompt, 0))
+    first = engine.prefill(req.row(req.prompt, 0), on_hidden(req) if on_hidden else None)
     stats.prefill_steps += -(-len(req.prompt) // engine.ecfg.prefill_chunk)
     req.accept([first])
 

@@ -147,9 +147,9 @@ def test_demo_drafters_smoke(smoke):
     _common_keys(doc, "demo_drafters")
     assert len(doc["prompts"]) == 2 and all(p.endswith(".py") for p in doc["prompts"])
     rows = {(r["method"], r["k"]): r for r in doc["results"]}
-    assert set(rows) == {("plain", 0), ("draft_model", 2), ("ngram", 2)}
+    assert set(rows) == {("plain", 0), ("draft_model", 2), ("ngram", 2), ("mtp", 2)}
     assert all(r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0 for r in rows.values())  # exact lengths
-    for method in ("draft_model", "ngram"):
+    for method in ("draft_model", "ngram", "mtp"):
         r = rows[(method, 2)]
         assert r["greedy_equal"] and len(r["acceptance_by_position"]) == 2 and 1.0 <= r["tau"] <= 3.0
     assert "acceptance by position" in smoke["stdout"]["demo_drafters"]

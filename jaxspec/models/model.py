@@ -61,15 +61,17 @@ def forward(params, cfg: ModelConfig, caches: dict, batch: StepBatch, *, mode: s
     """Run the trunk over batch.tokens [R, T].
 
     Returns (logits, hidden, caches): logits [R, T, V] float32 (or [R, 1, V] at each row's last valid
-    token when last_only), hidden [R, T or 1, H] after the final norm (MTP / tap input), updated caches.
+    token when last_only), hidden [R, T, H] after the final norm at every position (the MTP / tap
+    input; dead code when unused), updated caches.
     mode: "prefill" (chunked GDN, final state kept) or "verify" (GDN snapshot per token).
     """
     caches = {name: list(entries) for name, entries in caches.items()}
     x = params["embed"][batch.tokens]  # [R, T, H]
     for i, layer in enumerate(params["layers"]):
         x, caches = decoder_layer(layer, cfg, i, x, batch, caches, mode=mode, kernels=kernels)
-    x = layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    hidden = layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    x = hidden
     if last_only:
         last = jnp.maximum(batch.num_valid - 1, 0)  # [R]
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [R, 1, H]
-    return logits_from_hidden(params, cfg, x), x, caches
+        x = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [R, 1, H]
+    return logits_from_hidden(params, cfg, x), hidden, caches

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model", "replay")
+METHODS = ("ngram", "draft_model", "mtp", "replay")
 
 
 @dataclass(frozen=True)
@@ -12,7 +12,8 @@ class SpeculativeConfig:
     """Speculative decoding settings.
 
     method: "ngram" (prompt lookup over each request's prompt + generated tokens, on device),
-      "draft_model" (a smaller jaxspec Model with the same vocabulary), or "replay" (a measurement
+      "draft_model" (a smaller jaxspec Model with the same vocabulary), "mtp" (the target's own
+      multi-token-prediction head, mtp.* weights, as Qwen3.5 / Qwen3-Next ship), or "replay" (a measurement
       tool: proposes `replay_tokens[i]`, the reference continuation of prompt i, with each token
       corrupted with probability 1 - replay_alpha, seeded; alpha = 1 accepts everything a greedy
       target would, alpha = 0 nothing).
@@ -68,5 +69,8 @@ def check_speculative(spec, model, num_prompts: int | None = None) -> None:
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
                              f"vocab_size={model.config.vocab_size}; draft and target must share a vocabulary")
+    if spec.method == "mtp" and "mtp" not in getattr(model, "params", {}):
+        raise ValueError("method='mtp' needs a target with an MTP head (mtp.* weights, as Qwen3.5 and Qwen3-Next "
+                         "checkpoints ship); this model has none. Use 'ngram' or 'draft_model' instead")
     if spec.method == "replay" and num_prompts is not None and len(spec.replay_tokens) != num_prompts:
         raise ValueError(f"replay_tokens has {len(spec.replay_tokens)} continuations for {num_prompts} prompts")

@@ -2,10 +2,12 @@
 the round executable, plus host hooks for admitting and releasing requests:
 
     propose(dparams, dstate, rnd, num_accepted) -> (drafts [R, k] int32, draft_probs [R, k, V] | None, dstate)
-    commit(dstate, rnd, emitted [R, 1+k], num_emitted [R]) -> dstate
+    commit(dparams, dstate, rnd, emitted [R, 1+k], num_emitted [R], hidden [R, 1+k, H]) -> dstate
 
 `rnd` is the RoundInputs of the round; per-slot device state is indexed by `rnd.seq_slot` (0 is the
-null slot that padding rows use). New drafters (MTP, tap-conditioned) implement the same two methods.
+null slot that padding rows use); `hidden` is the target's final hidden state at each verified
+position (dead code for drafters that ignore it). The MTP drafter (spec/mtp.py) drafts in commit
+from those hidden states; tap-conditioned drafters would too.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class NgramDrafter:
         L = dstate["length"][rnd.seq_slot]  # [R]
         return jax.vmap(self._propose_row)(h, L).astype(jnp.int32), None, dstate
 
-    def commit(self, dstate, rnd: RoundInputs, emitted, num_emitted):
+    def commit(self, dparams, dstate, rnd: RoundInputs, emitted, num_emitted, hidden):
         """Append the emitted tokens [R, 1+k] (first num_emitted of each row) to the history."""
         h = dstate["history"][rnd.seq_slot]  # [R, L]
         L = dstate["length"][rnd.seq_slot]  # [R]
@@ -154,7 +156,7 @@ class ReplayDrafter:
         corrupted = (drafts + shift) % self.vocab_size  # always a different token
         return jnp.where(u < dparams["alpha"], drafts, corrupted).astype(jnp.int32), None, dstate
 
-    def commit(self, dstate, rnd: RoundInputs, emitted, num_emitted):
+    def commit(self, dparams, dstate, rnd: RoundInputs, emitted, num_emitted, hidden):
         return {**dstate, "generated": dstate["generated"].at[rnd.seq_slot].add(num_emitted)}
 
 
@@ -200,5 +202,5 @@ class DraftModelDrafter:
         (caches, _), drafts = jax.lax.scan(draft_step, (caches, rnd.last_token), jnp.arange(self.k + 1))
         return drafts[:self.k].T, None, {"caches": caches}
 
-    def commit(self, dstate, rnd: RoundInputs, emitted, num_emitted):
+    def commit(self, dparams, dstate, rnd: RoundInputs, emitted, num_emitted, hidden):
         return dstate

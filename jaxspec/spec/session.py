@@ -5,24 +5,52 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import EngineConfig
+from jaxspec.spec import mtp
 from jaxspec.spec.drafters import DraftModelDrafter, NgramDrafter, ReplayDrafter
 
 
 @dataclass
 class Session:
-    drafter: object  # frozen dataclass: NgramDrafter | ReplayDrafter | DraftModelDrafter
+    drafter: object  # frozen dataclass: NgramDrafter | ReplayDrafter | DraftModelDrafter | MtpDrafter
     dparams: object = None
     dstate: object = None
     draft_engine: object = None
     replay: tuple = ()
     extra: dict = field(default_factory=dict)
 
+    @property
+    def prefill_hook(self):
+        """None, or req -> Engine.prefill's on_hidden callback (the MTP drafter's admission)."""
+        if not isinstance(self.drafter, mtp.MtpDrafter):
+            return None
+        return self._mtp_admission
+
+    def _mtp_admission(self, req):
+        """The on_hidden callback that runs req's prompt through the MTP head, chunk by chunk."""
+        run = mtp.admit_executable(self.drafter)
+        target = self.extra["target_engine"]
+
+        def on_hidden(start: int, hidden, next_tokens: list[int]) -> None:
+            C = hidden.shape[1]
+            tokens = np.zeros((1, C), np.int32)
+            tokens[0, :len(next_tokens)] = next_tokens
+            # MTP rows write positions start + 1 .. start + n, its recursive drafts up to k - 1 more
+            target.ensure_pages(req.slot, min(start + len(next_tokens) + self.drafter.k, target.ecfg.max_model_len))
+            host = dict(next_tokens=tokens, start=np.full((1,), start, np.int32),
+                        n=np.full((1,), len(next_tokens), np.int32), tables=target.block_tables[req.slot][None],
+                        slot=np.full((1,), req.slot, np.int32))
+            self.dstate = run(self.dparams, self.dstate, hidden, **jax.device_put(host))
+        return on_hidden
+
     def admit(self, req) -> None:
         """Called after the target prefilled req (req.generated holds its first token)."""
+        if isinstance(self.drafter, mtp.MtpDrafter):
+            return  # drafted during the prefill (prefill_hook)
         if isinstance(self.drafter, NgramDrafter):
             self.dstate = self.drafter.admit(self.dstate, req.slot, req.prompt + req.generated)
         elif isinstance(self.drafter, ReplayDrafter):
@@ -38,7 +66,15 @@ class Session:
             self.draft_engine.release_slot(req.slot)
 
     def aux_block_tables(self, active, R: int, k: int) -> np.ndarray:
-        """The draft model's block tables for the round's rows ([R, 1] zeros for model-free drafters)."""
+        """The draft model's block tables for the round's rows; for MTP, the target's tables with pages
+        up to 2k positions past the cache (its recursive steps); [R, 1] zeros for the others."""
+        if isinstance(self.drafter, mtp.MtpDrafter):
+            target = self.extra["target_engine"]
+            tables = np.zeros((R, target.ecfg.pages_per_seq), np.int32)
+            for i, req in enumerate(active):
+                target.ensure_pages(req.slot, min(req.num_cached + 1 + 2 * k, target.ecfg.max_model_len))
+                tables[i] = target.block_tables[req.slot]
+            return tables
         if self.draft_engine is None:
             return np.zeros((R, 1), np.int32)
         eng = self.draft_engine
@@ -72,6 +108,9 @@ def make_drafter(method: str, model, ecfg: EngineConfig, k: int, *, prompt_looku
         return ReplayDrafter(k=k, vocab_size=model.config.vocab_size, ref_len=ecfg.max_model_len + k + 1)
     from jaxspec import ops
 
+    if method == "mtp":
+        return mtp.MtpDrafter(k=k, cfg=model.config, num_layers=len(model.params["mtp"]["layers"]),
+                              max_model_len=ecfg.max_model_len, kernels=ops.resolve_kernels(model.kernels))
     return DraftModelDrafter(k=k, cfg=draft_model.config, ecfg=draft_engine_config(ecfg, draft_model, k),
                              kernels=ops.resolve_kernels(draft_model.kernels))
 
@@ -87,6 +126,14 @@ def make_session(model, engine, spec, requests, k: int) -> Session:
     if spec.method == "replay":
         dparams = {"alpha": jnp.float32(spec.replay_alpha), "seed": jnp.uint32(spec.replay_seed)}
         return Session(drafter, dparams=dparams, dstate=drafter.init_state(num_slots), replay=spec.replay_tokens)
+    if spec.method == "mtp":
+        from jaxspec import cache
+
+        plan = {**engine.memory_plan, "mtp_kv": mtp.state_bytes(drafter, engine.ecfg, model.dtype)}
+        budget = model.memory_budget if model.memory_budget is not None else cache.device_memory_bytes()
+        cache.check_budget(plan, budget)  # refuse before allocating the MTP pools
+        return Session(drafter, dparams=mtp.draft_params(model.params),
+                       dstate=mtp.init_state(drafter, engine.ecfg, model.dtype), extra={"target_engine": engine})
     draft_engine = spec.draft_model.engine_for(drafter.ecfg)
     return Session(drafter, dparams=spec.draft_model.params, dstate={"caches": draft_engine.caches},
                    draft_engine=draft_engine)

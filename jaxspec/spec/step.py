@@ -35,12 +35,12 @@ def spec_round(params, caches, num_accepted, dparams, dstate, rnd: RoundInputs, 
     inputs = dict(tokens=jnp.concatenate([rnd.last_token[:, None], drafts], axis=1),  # [R, 1+k]
                   start_pos=rnd.start_pos, num_valid=jnp.where(live, 1 + rnd.num_drafts, 0).astype(jnp.int32),
                   block_tables=rnd.block_tables, seq_slot=rnd.seq_slot)
-    logits, _, caches = forward(params, cfg, caches, make_batch(inputs, num_accepted, ecfg), mode="verify",
-                                kernels=kernels, last_only=False)  # [R, 1+k, V]
+    logits, hidden, caches = forward(params, cfg, caches, make_batch(inputs, num_accepted, ecfg), mode="verify",
+                                     kernels=kernels, last_only=False)  # [R, 1+k, V], [R, 1+k, H]
     positions = rnd.start_pos[:, None] + 1 + jnp.arange(1 + k, dtype=jnp.int32)[None, :]
     emitted, num_emitted = rejection_sample(logits, drafts, draft_probs, sp, positions, rnd.num_drafts)
     num_accepted = num_accepted.at[rnd.seq_slot].set(num_emitted)  # stays on device for the next round
-    dstate = drafter.commit(dstate, rnd, emitted, num_emitted)
+    dstate = drafter.commit(dparams, dstate, rnd, emitted, num_emitted, hidden)
     return emitted, num_emitted, caches, num_accepted, dstate
 
 
@@ -103,7 +103,7 @@ def speculative_events(model, requests, spec, stats):
         while pending or active:
             while pending and engine.free_slots:
                 req = pending.popleft()
-                admit(engine, req, active, stats)
+                admit(engine, req, active, stats, session.prefill_hook)
                 session.admit(req)  # a slot error here is cleaned up by release_on_exit
                 yield req.index, req.generated[:]
             retire_finished(engine, active, session)

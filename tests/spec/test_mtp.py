@@ -1,0 +1,177 @@
+"""The MTP drafter (jaxspec/spec/mtp.py) on the trained demo target, whose MTP head was trained with
+it: speculative greedy equals plain greedy; every round's drafts equal an offline recomputation with
+the full-sequence training forward (models/train.py), so the accepted counts match exactly; the
+compiled steps after precompile; refusals (no MTP head, memory budget) leave the model usable.
+
+Small prefill chunks and pages (8, 4) so the MTP head's prompt pass crosses both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.cache import MemoryBudgetError
+from jaxspec.engine import memory_plan
+from jaxspec.models import train
+from jaxspec.models.model import logits_from_hidden
+
+PROMPTS = ["import os\nimport sys\n\n\n", "def __init__(self, name, value):\n    self.",
+           "class Error(Exception):\n    \"\"\"", "        for i in range(len(", "if __name__ == '__main__':\n    "]
+NEW_TOKENS = 16
+SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=96, max_num_seqs=2, prefill_chunk=8, page_size=4)
+PAD = 96  # fixed length of the offline recomputation (one compile)
+
+
+@functools.cache
+def target() -> jaxspec.Model:
+    """The trained demo without EOS, so every request generates exactly NEW_TOKENS."""
+    model = jaxspec.load("demo", **SETTINGS)
+    return dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
+
+
+@functools.cache
+def plain(n: int = NEW_TOKENS) -> tuple:
+    return tuple(map(tuple, jaxspec.generate(target(), PROMPTS, max_new_tokens=n).token_ids))
+
+
+def mtp(k: int) -> jaxspec.SpeculativeConfig:
+    return jaxspec.SpeculativeConfig("mtp", k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_with_mtp_equals_plain(k):
+    result = jaxspec.generate(target(), PROMPTS, max_new_tokens=NEW_TOKENS, speculative=mtp(k))
+    assert tuple(map(tuple, result.token_ids)) == plain()
+    assert result.stats.verify_steps and result.stats.accepted > 0  # a trained head: drafts do get accepted
+
+
+# ---- the offline recomputation ------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=1)
+def _hidden(params, cfg, ids):
+    return train.forward_hidden(params, cfg, ids)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mtp_rows(params, cfg, hidden, tokens):
+    """MTP output [1, PAD, H] and logits of rows r = positions r + 1 (train.mtp_hidden)."""
+    out = train.mtp_hidden(params, cfg, hidden, tokens)
+    return out, logits_from_hidden(params, cfg, out)
+
+
+def _drafts_from(params, cfg, hidden, seq, m: int, k: int) -> list[int]:
+    """The k drafts after MTP rows at positions 1..m with exact inputs (token q, target hidden
+    q - 1), then recursive rows (previous draft, previous MTP output)."""
+    tokens = np.zeros((1, PAD), np.int32)
+    tokens[0, :m] = seq[1:m + 1]
+    rows = np.zeros((1, PAD, hidden.shape[-1]), np.float32)
+    rows[0, :m] = hidden[0, :m]
+    drafts = []
+    for i in range(k):
+        out, logits = _mtp_rows(params, cfg, jnp.asarray(rows), jnp.asarray(tokens))
+        drafts.append(int(np.argmax(logits[0, m - 1 + i])))
+        tokens[0, m + i], rows[0, m + i] = drafts[-1], np.asarray(out[0, m - 1 + i])
+    return drafts
+
+
+def simulate(prompt: list[int], continuation: list[int], k: int) -> tuple[int, int, list[int]]:
+    """(accepted, rounds, accepted by position) of greedy MTP speculation, recomputed offline."""
+    model = target()
+    params, cfg, seq, P = model.params, model.config, prompt + continuation, len(prompt)
+    ids = np.zeros((1, PAD), np.int32)
+    ids[0, :len(seq)] = seq
+    hidden = np.asarray(_hidden(params, cfg, jnp.asarray(ids)))
+    generated, accepted, rounds, by_position = 1, 0, 0, [0] * k
+    drafts = _drafts_from(params, cfg, hidden, seq, P, k)  # admission: rows up to x0's position
+    while generated < NEW_TOKENS:
+        p = P + generated - 1  # position of the last emitted token
+        a = 0
+        while a < k and drafts[a] == seq[p + 1 + a]:
+            a += 1
+        accepted, rounds = accepted + a, rounds + 1
+        by_position = [c + (a > i) for i, c in enumerate(by_position)]
+        generated += 1 + a
+        drafts = _drafts_from(params, cfg, hidden, seq, p + 1 + a, k)
+    return accepted, rounds, by_position
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_match_the_offline_recomputation(k):
+    """Every draft the engine verified is the one the training forward computes from the same inputs:
+    the acceptance counts agree exactly (admission over the prompt, the post-verify catch-up rows
+    that rewrite the MTP KV, and the recursive steps)."""
+    model = target()
+    result = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=mtp(k))
+    longer = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS + k + 1).token_ids
+    want = [simulate(model.tokenizer.encode(p), c, k) for p, c in zip(PROMPTS, longer, strict=True)]
+    stats = result.stats
+    assert stats.accepted == sum(w[0] for w in want)
+    assert stats.verify_steps == sum(w[1] for w in want)
+    assert stats.accepted_by_position == [sum(w[2][i] for w in want) for i in range(k)]
+
+
+# ---- modes, sampling, the compile table ----------------------------------------------------------
+
+def test_pad_to_max_and_sampling_with_mtp():
+    model = jaxspec.load("demo", **SETTINGS, max_num_speculative_tokens=4, k_mode="pad_to_max")
+    model = dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
+    greedy = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=mtp(2))
+    assert tuple(map(tuple, greedy.token_ids)) == plain()
+    assert len(greedy.stats.accepted_by_position) == 2  # drafts 3..4 are a masked tail
+    sampled = [jaxspec.generate(model, PROMPTS[:2], max_new_tokens=8, temperature=0.8, seed=3,
+                                speculative=mtp(2)).token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1]  # seeded: reproducible
+
+
+def test_bucket_table_has_the_mtp_executables():
+    from jaxspec import compile as jc
+
+    table = jc.bucket_table(target(), k_values=(2,), methods=("mtp",))
+    names = {b.name for b in table}
+    assert {"verify[mtp]", "prefill_hidden", "admit[mtp]"} <= names
+    assert [b.engine_k for b in table if b.name == "prefill"] == [0]  # mtp prefills through prefill_hidden
+
+
+# ---- refusals --------------------------------------------------------------------------------------
+
+def test_model_without_mtp_head_is_refused_and_stays_usable():
+    model = jaxspec.load("demo:qwen3", dtype="float32", kernels="xla", max_model_len=48, max_num_seqs=2)
+    before = jaxspec.generate(model, "hello", max_new_tokens=4).token_ids
+    with pytest.raises(ValueError, match="method='mtp' needs a target with an MTP head"):
+        jaxspec.generate(model, "hello", max_new_tokens=4, speculative=mtp(2))
+    assert jaxspec.generate(model, "hello", max_new_tokens=4).token_ids == before
+
+
+def test_mtp_pools_over_the_memory_budget_are_refused():
+    probe = jaxspec.load("demo", **SETTINGS)
+    engine_bytes = sum(memory_plan(probe, probe.engine_config(2)).values())
+    model = jaxspec.load("demo", **SETTINGS, memory_budget=engine_bytes + 1)  # the engine fits, the MTP KV not
+    with pytest.raises(MemoryBudgetError, match="mtp_kv"):
+        jaxspec.generate(model, PROMPTS[:1], max_new_tokens=4, speculative=mtp(2))
+    assert jaxspec.generate(model, PROMPTS[:1], max_new_tokens=4).token_ids  # still serves plain decoding
+
+
+def test_mtp_through_the_pallas_kernels():
+    """The MTP head's attention goes through the ops switch like the trunk's (interpret mode on CPU)."""
+    model = jaxspec.load("demo", **{**SETTINGS, "kernels": "pallas"})
+    model = dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
+    result = jaxspec.generate(model, PROMPTS[:2], max_new_tokens=NEW_TOKENS, speculative=mtp(2))
+    assert tuple(map(tuple, result.token_ids)) == plain()[:2]
+
+
+def test_cli_speculative_mtp(capsys):
+    from jaxspec.cli import main
+
+    argv = ["generate", "--model", "demo", "--dtype", "float32", "--kernels", "xla", "--max-model-len", "96",
+            "--max-num-seqs", "2", "--prefill-chunk", "8", "--speculative", "mtp", "--k", "2",
+            "--max-new-tokens", "8", PROMPTS[1]]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "tau" in err and "acceptance by draft position" in err
