@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +142,32 @@ def test_bucket_table_has_the_mtp_executables():
     names = {b.name for b in table}
     assert {"verify[mtp]", "prefill_hidden", "admit[mtp]"} <= names
     assert [b.engine_k for b in table if b.name == "prefill"] == [0]  # mtp prefills through prefill_hidden
+
+
+ZERO_COMPILE_SCRIPT = """
+import json, sys
+import jaxspec
+from jaxspec import compile as jc
+m = jaxspec.load("demo", dtype="float32", kernels="xla", max_model_len=96, max_num_seqs=2, prefill_chunk=8,
+                 cache_dir=sys.argv[1])
+if sys.argv[2] == "precompile":
+    jc.precompile(m, jc.bucket_table(m, k_values=(2,), methods=("mtp",)), progress=False)
+else:
+    with jc.count_compiles() as c:
+        r = jaxspec.generate(m, ["import os\\n", "def f(x):\\n    return", "class A:"], max_new_tokens=10,
+                             speculative=jaxspec.SpeculativeConfig("mtp", 2))
+    print(json.dumps({"compiles": c.compiles, "hits": c.cache_hits, "drafted": r.stats.drafted}))
+"""
+
+
+def test_generate_with_mtp_after_precompile_compiles_nothing(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    runs = [subprocess.run([sys.executable, "-c", ZERO_COMPILE_SCRIPT, str(tmp_path), step], capture_output=True,
+                           text=True, env=env, timeout=600) for step in ("precompile", "generate")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(runs[1].stdout.strip().splitlines()[-1])
+    assert out["compiles"] == 0 and out["hits"] > 0 and out["drafted"] > 0
 
 
 # ---- refusals --------------------------------------------------------------------------------------
