@@ -34,11 +34,18 @@ class Row:
 
 
 def row_sampling(rows: list[Row], R: int) -> sampling.SamplingParams:
-    """Per-row sampling settings padded to R rows (padding rows: greedy, request 0)."""
-    rows = rows + [Row(slot=0, tokens=[], start_pos=0, request_id=0)] * (R - len(rows))
-    return sampling.make_sampling_params(
-        R, temperature=[r.temperature for r in rows], top_k=[r.top_k for r in rows], top_p=[r.top_p for r in rows],
-        seed=[r.seed for r in rows], request_id=[r.request_id for r in rows])
+    """Per-row sampling settings padded to R rows (padding rows: greedy, request 0). The same rows
+    step after step reuse one set of device arrays (no host-to-device copies per step)."""
+    settings = tuple((r.temperature, r.top_k, r.top_p, r.seed, r.request_id) for r in rows)
+    return _sampling_arrays(settings + ((0.0, 0, 1.0, 0, 0),) * (R - len(rows)))
+
+
+@functools.lru_cache(maxsize=256)
+def _sampling_arrays(settings: tuple) -> sampling.SamplingParams:
+    """Device SamplingParams of per-row (temperature, top_k, top_p, seed, request_id); never donated."""
+    temperature, top_k, top_p, seed, request_id = (list(column) for column in zip(*settings, strict=True))
+    return sampling.make_sampling_params(len(settings), temperature=temperature, top_k=top_k, top_p=top_p,
+                                         seed=seed, request_id=request_id)
 
 
 @dataclass

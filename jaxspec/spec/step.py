@@ -114,7 +114,7 @@ def speculative_events(model, requests, spec, stats):
             emitted, num_emitted, engine.caches, engine.num_accepted, session.dstate = run_round(
                 model.params, engine.caches, engine.num_accepted, session.dparams, session.dstate, rnd, sp)
             session.sync()
-            emitted, num_emitted = np.asarray(emitted), np.asarray(num_emitted)
+            emitted, num_emitted = jax.device_get((emitted, num_emitted))  # one host transfer
             _record(stats, num_emitted[:len(active)], spec.k)
             for i, req in enumerate(active):
                 yield req.index, req.accept(emitted[i, :num_emitted[i]].tolist())
