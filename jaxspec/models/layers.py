@@ -58,23 +58,36 @@ def mlp(p, x):
 def moe(p, cfg: ModelConfig, x):
     """Sparse MoE with softmax top-k router and optional sigmoid-gated shared expert. x [N, H].
 
-    Every expert is evaluated densely and weighted by its routing weight (zero when not chosen).
-    This is exact and shape-static; a grouped (ragged) expert matmul is a speed path for later.
+    With fewer (token, expert) pairs than experts (N * top_k < E: decode and short verify spans) only
+    the chosen experts' weights are gathered and read; otherwise every expert is evaluated densely
+    and weighted by its routing weight (zero when not chosen), reading each expert's weights once.
+    Both are exact and shape-static (N is static, so the path is picked at trace time); a grouped
+    (ragged) expert matmul would serve the large-N case with less arithmetic.
     """
     router_probs = jax.nn.softmax((x @ p["router"]).astype(F32), axis=-1)  # [N, E]
     top_w, top_i = jax.lax.top_k(router_probs, cfg.num_experts_per_tok)  # [N, k]
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    weights = jnp.zeros_like(router_probs).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_w)  # [N, E]
-    weights = weights.astype(x.dtype)
-    gate = jnp.einsum("nh,ehi->nei", x, p["gate"])
-    up = jnp.einsum("nh,ehi->nei", x, p["up"])
-    expert_out = jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"])  # [N, E, H]
-    out = jnp.einsum("ne,neh->nh", weights, expert_out)
+    if x.shape[0] * cfg.num_experts_per_tok < cfg.num_experts:
+        out = _gathered_experts(p, x, top_w.astype(x.dtype), top_i)
+    else:
+        weights = jnp.zeros_like(router_probs).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_w)  # [N, E]
+        gate = jnp.einsum("nh,ehi->nei", x, p["gate"])
+        up = jnp.einsum("nh,ehi->nei", x, p["up"])
+        expert_out = jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"])  # [N, E, H]
+        out = jnp.einsum("ne,neh->nh", weights.astype(x.dtype), expert_out)
     if "shared" in p:
         shared = mlp(p["shared"], x)
         out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * shared
     return out
+
+
+def _gathered_experts(p, x, top_w, top_i):
+    """sum_j top_w[n, j] * expert_{top_i[n, j]}(x[n]), reading only the chosen experts' weights.
+    x [N, H]; top_w [N, k]; top_i [N, k] int32 -> [N, H]."""
+    gate, up, down = p["gate"][top_i], p["up"][top_i], p["down"][top_i]  # [N, k, H, I], [N, k, H, I], [N, k, I, H]
+    h = jax.nn.silu(jnp.einsum("nh,nkhi->nki", x, gate)) * jnp.einsum("nh,nkhi->nki", x, up)
+    return jnp.einsum("nk,nkh->nh", top_w, jnp.einsum("nki,nkih->nkh", h, down))
 
 
 def feed_forward(layer, cfg: ModelConfig, x):
