@@ -334,6 +334,11 @@ ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PR
             "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
 
 
+def repo_relative(text: str) -> str:
+    """text with the checkout's absolute path written as <repo> (results do not record where it lives)."""
+    return text.replace(str(REPO), "<repo>")
+
+
 def environment(with_jax: bool = True) -> dict:
     """Where and with what a result was measured."""
     env = {
@@ -345,7 +350,7 @@ def environment(with_jax: bool = True) -> dict:
         "git_dirty": bool(run_command(["git", "status", "--porcelain", "--untracked-files=no"])),
         "gpu": run_command(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
                      "--format=csv,noheader"]),
-        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        "env": {k: repo_relative(os.environ[k]) for k in ENV_VARS if k in os.environ},
         "cpu_count": os.cpu_count(),
     }
     if with_jax:
@@ -396,7 +401,7 @@ class Results:
         self.save()
 
     def error(self, what: str, exc: BaseException) -> None:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        text = repo_relative("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         log(f"ERROR {what}: {type(exc).__name__}: {exc}")
         self.data["errors"].append({"what": what, "error": f"{type(exc).__name__}: {exc}"[:2000],
                                     "traceback": text[-6000:]})
