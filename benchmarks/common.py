@@ -466,6 +466,23 @@ def parser(description: str, *, shapes: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(p: argparse.ArgumentParser, argv, smoke: dict, *, check: bool = True) -> argparse.Namespace:
+    """Parse argv with `smoke` as the defaults when --smoke is given; check the repeat count."""
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(**smoke)
+    args = p.parse_args(argv)
+    if check:
+        check_repeats(args)
+    return args
+
+
+def check_choices(flag: str, text: str, valid, what: str) -> None:
+    """Refuse a comma list (--flag a,b) holding a value outside `valid`, naming it and the valid ones."""
+    bad = [x for x in text.split(",") if x not in valid]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {what} {bad[0]!r}; valid: {', '.join(valid)}")
+
+
 def check_repeats(args) -> None:
     if args.repeats < 3 and not args.smoke:
         raise SystemExit(f"--repeats {args.repeats}: the protocol needs a median of >= 3")

@@ -38,13 +38,8 @@ def parse(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.set_defaults(repeats=3)
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    common.check_repeats(args)
-    bad = [m for m in args.methods.split(",") if m not in METHODS]
-    if bad:
-        raise SystemExit(f"--methods: unknown method {bad[0]!r}; valid: {', '.join(METHODS)}")
+    args = common.parse_args(p, argv, SMOKE)
+    common.check_choices("--methods", args.methods, METHODS, "method")
     if args.num_prompts < 1 or args.prompt_len < 1 or args.new_tokens < 1 or args.batch < 1:
         raise SystemExit("--num-prompts, --prompt-len, --new-tokens and --batch must be >= 1")
     return args

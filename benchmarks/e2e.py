@@ -54,14 +54,9 @@ def parse(argv=None):
     p.add_argument("--cache-dir", default="default",
                    help="persistent XLA cache ('default' = $JAXSPEC_CACHE_DIR or the user cache; 'none' = off)")
     p.set_defaults(repeats=3)
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    common.check_repeats(args)
+    args = common.parse_args(p, argv, SMOKE)
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
-    bad = [m for m in args.methods.split(",") if m not in METHODS]
-    if bad:
-        raise SystemExit(f"--methods: unknown method {bad[0]!r}; valid: {', '.join(METHODS)}")
+    common.check_choices("--methods", args.methods, METHODS, "method")
     if args.prompt_len + args.new_tokens + 16 > args.engine["max_model_len"]:
         raise SystemExit(f"--prompt-len + --new-tokens must stay under max_model_len={args.engine['max_model_len']}")
     kmax = max(common.int_list(args.ks) + [args.ngram_k, args.draft_k])

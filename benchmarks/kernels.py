@@ -63,16 +63,9 @@ def parse(argv=None):
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention comparison")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
     p.add_argument("--bandwidth-gib", type=float, default=2.0)
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    common.check_repeats(args)
-    bad = [k for k in args.kernels.split(",") if k not in KERNELS]
-    if bad:
-        raise SystemExit(f"--kernels: unknown kernel {bad[0]!r}; valid: {', '.join(KERNELS)}")
-    bad = [i for i in args.impls.split(",") if i not in IMPLS]
-    if bad:
-        raise SystemExit(f"--impls: unknown implementation {bad[0]!r}; valid: {', '.join(IMPLS)}")
+    args = common.parse_args(p, argv, SMOKE)
+    common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
+    common.check_choices("--impls", args.impls, IMPLS, "implementation")
     if max(common.int_list(args.ks)) > KMAX:
         raise SystemExit(f"--ks: k <= {KMAX}")
     return args

@@ -41,13 +41,8 @@ def parse(argv=None):
     p.add_argument("--compile-min-s", type=float, default=75.0,
                    help="skip static_compile when less budget than this is left (first call compiles ~40-60 s)")
     p.set_defaults(repeats=3)
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    common.check_repeats(args)
-    bad = [m for m in args.modes.split(",") if m not in MODES]
-    if bad:
-        raise SystemExit(f"--modes: unknown mode {bad[0]!r}; valid: {', '.join(MODES)}")
+    args = common.parse_args(p, argv, SMOKE)
+    common.check_choices("--modes", args.modes, MODES, "mode")
     return args
 
 

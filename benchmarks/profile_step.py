@@ -42,10 +42,7 @@ def parse(argv=None):
     p.add_argument("--traced", type=int, default=10, help="calls of each step inside the trace")
     p.add_argument("--top", type=int, default=12, help="kernels listed per step")
     p.add_argument("--trace-dir", default=None, help="keep the raw traces here (default: a temporary directory)")
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    common.check_repeats(args)
+    args = common.parse_args(p, argv, SMOKE)
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
     if args.batch > args.engine["max_num_seqs"]:
         raise SystemExit(f"--batch {args.batch}: at most max_num_seqs={args.engine['max_num_seqs']}")
@@ -96,7 +93,8 @@ def profile(call, args, name: str, trace_root: str) -> dict:
     span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / args.traced
                if events else None)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]
-    return {"step": name, "pipelined_ms": timing["pipelined"]["median_ms"], "latency_ms": timing["latency"]["median_ms"],
+    return {"step": name, "pipelined_ms": timing["pipelined"]["median_ms"],
+            "latency_ms": timing["latency"]["median_ms"],
             "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / args.traced,
             "top": [{"name": n[:160], "ms_per_step": t / 1e6 / args.traced, "calls_per_step": c / args.traced}
                     for n, (t, c) in top]}

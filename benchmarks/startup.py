@@ -47,9 +47,7 @@ def parse(argv=None):
     p.add_argument("--workdir", default=None, help="checkpoints and cache directories (default: a temporary one)")
     p.add_argument("--timeout-s", type=float, default=600, help="limit per process")
     p.set_defaults(repeats=1)
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    return p.parse_args(argv)
+    return common.parse_args(p, argv, SMOKE, check=False)  # one process per run: no repeats
 
 
 def _save_model(name: str, layers, args, directory: Path) -> float:
@@ -105,7 +103,8 @@ def run_shape(name: str, layers, args, res, work: Path) -> None:
         rec["runs"][label] = run = _cli(argv, args)
         res.save()
         log(f"{name} {label}: process {run['process_s']:.1f}s, ttft {fmt(run.get('ttft_s'))}s, "
-            f"{run.get('compiles', '-')} compilations, {run.get('cache_loads', '-')} cache loads, rc {run['returncode']}")
+            f"{run.get('compiles', '-')} compilations, {run.get('cache_loads', '-')} cache loads, "
+            f"rc {run['returncode']}")
         if run["returncode"]:
             res.data["errors"].append({"what": f"{name} {label}", "error": run.get("stderr_tail", "")[-800:]})
     shutil.rmtree(ckpt, ignore_errors=True)

@@ -61,10 +61,7 @@ def build_parser():
 
 def parse(argv=None):
     p = build_parser()
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    common.check_repeats(args)
+    args = common.parse_args(p, argv, SMOKE)
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
     for name, values in (("--batches", common.int_list(args.batches)), ("--ks", common.int_list(args.ks))):
         if not values:

@@ -48,8 +48,8 @@ def smoke(tmp_path_factory) -> dict:
     path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step",
                                                    "demo_drafters", "startup")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in ("kernels", "peers", "profile_step", "demo_drafters",
-                                                                      "startup")}
+    beside = ("kernels", "peers", "profile_step", "demo_drafters", "startup")
+    side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in beside}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
     plot = _start("plot", "--input", str(path["step_times"]), "--out", str(out / "verify_curve.png"))

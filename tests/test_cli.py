@@ -32,8 +32,8 @@ def test_help(capsys):
     assert "usage: jaxspec" in out and "generate" in out and "Qwen3" in out
     assert run_main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # independent of the terminal width argparse wraps to
-    for flag in ("--model", "demo:<family>", "demo-draft", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                 "--max-model-len", "--dtype", "--kernels"):
+    for flag in ("--model", "demo:<family>", "demo-draft", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
+                 "--seed", "--max-model-len", "--dtype", "--kernels"):
         assert flag in out, flag
 
 

@@ -10,12 +10,12 @@ from jaxspec import demo
 from jaxspec.config import ModelConfig
 from jaxspec.models import layers
 
-E, K, H, I = 16, 2, 32, 24  # gathered for N < 8, dense from N = 8
+E, K, H, INTER = 16, 2, 32, 24  # gathered for N < 8, dense from N = 8
 
 
 def config(norm_topk: bool) -> ModelConfig:
     hf = dict(demo.DEMO_HF_CONFIGS["qwen3_moe"], num_experts=E, num_experts_per_tok=K, hidden_size=H,
-              moe_intermediate_size=I, norm_topk_prob=norm_topk)
+              moe_intermediate_size=INTER, norm_topk_prob=norm_topk)
     return ModelConfig.from_hf(hf)
 
 
@@ -40,8 +40,8 @@ def reference(p, x, norm_topk: bool) -> np.ndarray:
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_equals_a_per_token_loop(n, norm_topk):
     rng = np.random.default_rng(n)
-    p = {"router": rng.standard_normal((H, E)), "gate": rng.standard_normal((E, H, I)) / H**0.5,
-         "up": rng.standard_normal((E, H, I)) / H**0.5, "down": rng.standard_normal((E, I, H)) / I**0.5}
+    p = {"router": rng.standard_normal((H, E)), "gate": rng.standard_normal((E, H, INTER)) / H**0.5,
+         "up": rng.standard_normal((E, H, INTER)) / H**0.5, "down": rng.standard_normal((E, INTER, H)) / INTER**0.5}
     p = {k: np.asarray(v, np.float32) for k, v in p.items()}
     x = rng.standard_normal((n, H)).astype(np.float32)
     got = np.asarray(layers.moe(p, config(norm_topk), x), np.float64)
