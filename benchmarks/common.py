@@ -255,23 +255,40 @@ def median(values):
 
 
 def measure_bandwidth(nbytes: int = 4 * GiB, repeats: int = 10) -> dict:
-    """HBM read bandwidth through a jitted jnp.sum over a random float32 array (DESIGN.md §7)."""
+    """HBM bandwidth, honestly: the best of (a) a device-to-device copy, counting bytes read plus
+    bytes written, and (b) a reduction tuned to read at full rate (a float32 array viewed as
+    [rows, 4096] summed along the rows, so every thread block streams long contiguous runs).
+
+    A plain jit(jnp.sum) over a flat array read ~2.4 TB/s on an H200 while copies moved ~4.3 TB/s:
+    a floor computed from it flatters every kernel by ~1.6x. Both readings are recorded; the floor
+    uses the larger. Each sample is timed around a blocking call; the median of `repeats` is kept.
+    """
     import jax
     import jax.numpy as jnp
 
     n = nbytes // 4
-    x = block(jax.random.uniform(jax.random.PRNGKey(1), (n,), jnp.float32))
-    total = jax.jit(jnp.sum)
-    block(total(x))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        block(total(x))
-        samples.append(time.perf_counter() - start)
+    x = block(jax.random.uniform(jax.random.PRNGKey(1), (n // 4096, 4096), jnp.float32))
+    copy = jax.jit(lambda a: a + 0.0)  # a fused elementwise pass: one read + one write per element
+    reduce = jax.jit(lambda a: jnp.sum(a, axis=0))  # column sums: the whole array read once
+
+    def timed(fn, a) -> float:
+        block(fn(a))
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            block(fn(a))
+            samples.append(time.perf_counter() - start)
+        return median(samples)
+
+    copy_s, reduce_s = timed(copy, x), timed(reduce, x)
+    size = x.size * 4
     del x
-    best = median(samples)
-    return {"bytes": n * 4, "median_s": best, "bytes_per_s": n * 4 / best, "tb_per_s": n * 4 / best / 1e12,
-            "method": "jit(jnp.sum) over a random float32 array, median of repeats"}
+    copy_bps, reduce_bps = 2 * size / copy_s, size / reduce_s
+    best = max(copy_bps, reduce_bps)
+    return {"bytes": size, "bytes_per_s": best, "tb_per_s": best / 1e12,
+            "copy_tb_per_s": copy_bps / 1e12, "reduce_tb_per_s": reduce_bps / 1e12,
+            "method": "best of a device-to-device copy (read + write bytes) and a column reduction "
+                      "over a random float32 array, median of repeats each"}
 
 
 def lower_and_compile(makers: dict, threads: int) -> tuple[dict, dict, dict, float]:

@@ -124,7 +124,7 @@ def _parity(token_ids, reference) -> dict:
 
 
 def run_shape(name: str, layers, args, res, budget) -> None:
-    from jaxspec.spec.config import SpeculativeConfig
+    from jaxspec.speculative.config import SpeculativeConfig
 
     hf = common.shape_config(name, layers)
     rec = res.add({"shape": name, "layers": hf["num_hidden_layers"],

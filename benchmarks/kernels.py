@@ -62,7 +62,7 @@ def parse(argv=None):
                    help="implementations to time (mosaic: gdn_verify only, on a GPU)")
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention comparison")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
-    p.add_argument("--bandwidth-gib", type=float, default=2.0)
+    p.add_argument("--bandwidth-gib", type=float, default=4.0)
     args = common.parse_args(p, argv, SMOKE)
     common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
     common.check_choices("--impls", args.impls, IMPLS, "implementation")

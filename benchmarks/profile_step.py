@@ -103,7 +103,7 @@ def profile(call, args, name: str, trace_root: str) -> dict:
 def main(argv=None) -> int:
     args = parse(argv)
     from jaxspec.engine import step_executable
-    from jaxspec.spec.step import round_executable
+    from jaxspec.speculative.step import round_executable
 
     name = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b",))[0]
     layers = common.parse_layers(args.layers, [name])[name]
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     _, inputs = step_times._batch_inputs(model, eng, R, ks, args.context)
     st = {"caches": eng.caches, "na": eng.num_accepted}
     weights = common.params_bytes_by_kind(cfg, args.dtype)
-    bw = common.measure_bandwidth(common.GiB if not args.smoke else common.GiB // 32)
+    bw = common.measure_bandwidth(4 * common.GiB if not args.smoke else common.GiB // 32)
     forward = jax.jit(functools.partial(_forward_argmax, cfg=cfg, ecfg=ecfg, kernels=eng.kernels),
                       donate_argnums=(1, 2))
     step = step_executable(cfg, ecfg, eng.kernels)

@@ -5,7 +5,7 @@ context, against the physical floor; the verify fit verify(t) = a + b*t; the sam
 op (jax.disable_jit) as the captured-vs-eager ratio; and memory per request (KV per token, GDN
 state at each k) with the largest batch that fits the device.
 
-Executables: decode = engine.step_executable at (R, 1); verify = spec.step.round_executable with
+Executables: decode = engine.step_executable at (R, 1); verify = speculative.step.round_executable with
 the replay drafter (a gather: the round is the verify forward plus the on-device rejection sampler)
 at (R, 1+k). Both are lowered from the engine's own jitted functions, compiled in a thread pool and
 called with the engine's caches (donated), randomised so no timing runs on zeros. Every row starts
@@ -101,9 +101,9 @@ def _batch_inputs(model, eng, R: int, ks: list[int], context: int):
     rows 0..R-1 in slots 1..R at `context` cached tokens, random tokens and drafts, greedy."""
     from jaxspec import sampling
     from jaxspec.engine import step_executable
-    from jaxspec.spec.drafters import RoundInputs
-    from jaxspec.spec.session import make_drafter
-    from jaxspec.spec.step import round_executable
+    from jaxspec.speculative.drafters import RoundInputs
+    from jaxspec.speculative.session import make_drafter
+    from jaxspec.speculative.step import round_executable
 
     cfg, ecfg, rng = model.config, eng.ecfg, np.random.default_rng(R)
     vocab = min(cfg.vocab_size, 32000)
@@ -238,7 +238,7 @@ def run_batch(model, eng, R: int, args, weights: dict, bandwidth: float) -> dict
 
 def run_eager(model, eng, args, captured_ms: float | None) -> dict:
     """The verify round at batch 1, k = --eager-k, op by op (jax.disable_jit): the 'graph off' A/B."""
-    from jaxspec.spec.step import spec_round
+    from jaxspec.speculative.step import spec_round
 
     k = args.eager_k
     _, inputs = _batch_inputs(model, eng, 1, [k], args.context)

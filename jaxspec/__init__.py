@@ -3,7 +3,7 @@
 from jaxspec.config import EngineConfig, ModelConfig
 from jaxspec.generate import GenerateResult, GenerateStats, generate, score
 from jaxspec.loader import Model, load, save
-from jaxspec.spec.config import SpeculativeConfig
+from jaxspec.speculative.config import SpeculativeConfig
 
 __all__ = [
     "EngineConfig", "GenerateResult", "GenerateStats", "Model", "ModelConfig", "SpeculativeConfig",

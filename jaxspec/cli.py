@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from jaxspec.spec.config import METHODS
+from jaxspec.speculative.config import METHODS
 
 
 def _positive(name: str):

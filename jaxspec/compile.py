@@ -279,21 +279,21 @@ def _lower_step(model, ecfg, R: int, T: int, mode: str, last_only: bool, with_hi
 
 
 def _mtp_state(drafter, ecfg, dtype) -> dict:
-    """Abstract MTP drafter state, as spec.mtp.init_state allocates it."""
+    """Abstract MTP drafter state, as speculative.mtp.init_state allocates it."""
     import jax.numpy as jnp
 
-    from jaxspec.spec import mtp
+    from jaxspec.speculative import mtp
 
     return {"kv": mtp.kv_shapes(drafter.cfg, ecfg.total_pages, ecfg.page_size, drafter.num_layers, dtype),
             "drafts": _shape((ecfg.max_num_seqs + 1, drafter.k), jnp.int32)}
 
 
 def _lower_mtp_admit(model, ecfg, bucket: Bucket):
-    """The MTP head's pass over one prefill chunk (spec.mtp.admit_executable)."""
+    """The MTP head's pass over one prefill chunk (speculative.mtp.admit_executable)."""
     import jax.numpy as jnp
 
-    from jaxspec.spec import mtp
-    from jaxspec.spec.session import make_drafter
+    from jaxspec.speculative import mtp
+    from jaxspec.speculative.session import make_drafter
 
     drafter = make_drafter("mtp", model, ecfg, bucket.k)
     C, i32 = bucket.query_len, jnp.int32
@@ -309,9 +309,9 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
     import jax.numpy as jnp
 
     from jaxspec import cache, ops
-    from jaxspec.spec.drafters import RoundInputs
-    from jaxspec.spec.session import make_drafter
-    from jaxspec.spec.step import round_executable
+    from jaxspec.speculative.drafters import RoundInputs
+    from jaxspec.speculative.session import make_drafter
+    from jaxspec.speculative.step import round_executable
 
     drafter = make_drafter(bucket.method, model, ecfg, bucket.k, draft_model=draft_model)
     num_slots, R, i32 = ecfg.max_num_seqs + 1, bucket.num_reqs, jnp.int32
@@ -320,7 +320,7 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
         dstate = {"caches": cache.cache_shapes(draft_model.config, drafter.ecfg, draft_model.dtype)}
         aux = drafter.ecfg.pages_per_seq
     elif bucket.method == "mtp":
-        from jaxspec.spec import mtp
+        from jaxspec.speculative import mtp
 
         dparams, dstate, aux = mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype), \
             ecfg.pages_per_seq
@@ -343,7 +343,7 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
     import jax.numpy as jnp
 
     from jaxspec import cache
-    from jaxspec.spec.session import draft_engine_config
+    from jaxspec.speculative.session import draft_engine_config
 
     ecfg = model.engine_config(bucket.engine_k)
     if bucket.name == "allocate":
@@ -368,12 +368,12 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
 
 
 def _lower_admit(model, ecfg, bucket: Bucket):
-    """The drafter's admission update (spec.drafters.set_slot) for one request's state row."""
+    """The drafter's admission update (speculative.drafters.set_slot) for one request's state row."""
     import jax
     import jax.numpy as jnp
 
-    from jaxspec.spec.drafters import set_slot
-    from jaxspec.spec.session import make_drafter
+    from jaxspec.speculative.drafters import set_slot
+    from jaxspec.speculative.session import make_drafter
 
     drafter = make_drafter(bucket.method, model, ecfg, bucket.k)
     dstate = jax.eval_shape(lambda: drafter.init_state(ecfg.max_num_seqs + 1))
@@ -427,7 +427,7 @@ def check_table_memory(model, table: list[Bucket], draft_model=None, budget: int
     caches, plus the draft model's) does not fit the device (or the given budget)."""
     from jaxspec import cache
     from jaxspec.engine import memory_plan
-    from jaxspec.spec.session import draft_engine_config
+    from jaxspec.speculative.session import draft_engine_config
 
     budget = budget if budget is not None else getattr(model, "memory_budget", None) or cache.device_memory_bytes()
     for k in sorted({b.engine_k for b in table}):

@@ -226,7 +226,7 @@ def release_on_exit(engine, active: list[Request], session=None):
 def _events(model, requests, speculative, stats):
     if speculative is None:
         return _plain_events(model.engine(0), requests, stats)
-    from jaxspec.spec.step import speculative_events
+    from jaxspec.speculative.step import speculative_events
 
     return speculative_events(model, requests, speculative, stats)
 
@@ -268,7 +268,7 @@ def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 
     """
     requests = _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
     if speculative is not None:
-        from jaxspec.spec.config import check_speculative
+        from jaxspec.speculative.config import check_speculative
 
         check_speculative(speculative, model, len(requests))
     end_open_streams(model)

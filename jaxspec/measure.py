@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from jaxspec.generate import GenerateResult, generate
-from jaxspec.spec.config import SpeculativeConfig
+from jaxspec.speculative.config import SpeculativeConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@ request id) is an array in `SamplingParams`, so changing a request's settings ne
 Randomness is counter-based: the key for one (request, position) is a `fold_in` chain over
 (seed, request_id, absolute position, stream) and nothing else. A request therefore samples the same
 tokens whichever batch it sits in and whichever row it occupies, and speculative verification can reuse
-the exact key plain sampling would have used at the same position (see `spec/verify.py`).
+the exact key plain sampling would have used at the same position (see `speculative/verify.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 STREAM_SAMPLE = 0  # plain sampling, and the bonus token of a speculative round
 STREAM_ACCEPT = 1  # the uniform u of the accept test u < p(x) / q(x)
 STREAM_RESIDUAL = 2  # the replacement token drawn from norm(max(p - q, 0)) after a rejection
-# Stream 3 is taken by the drafters' own sampling (spec/drafters.py).
+# Stream 3 is taken by the drafters' own sampling (speculative/drafters.py).
 
 _BASE_KEY_SEED = 0x5EED
 

@@ -16,7 +16,7 @@ import jax
 import pytest
 
 import jaxspec
-from tests.spec.conftest import FAMILIES, K_MAX, NEW_TOKENS, load
+from tests.speculative.conftest import FAMILIES, K_MAX, NEW_TOKENS, load
 
 FULL_MATRIX = FAMILIES if os.environ.get("JAXSPEC_TEST_FULL_MATRIX") else ("qwen3", "qwen3_5")
 CASES = [(name, k) for name in FAMILIES for k in (1, 3, 7) if name in FULL_MATRIX or k == 3]

@@ -11,7 +11,7 @@ import pytest
 
 import jaxspec
 from jaxspec.compile import count_compiles
-from tests.spec.conftest import K_MAX, NEW_TOKENS, load, spec_prompts
+from tests.speculative.conftest import K_MAX, NEW_TOKENS, load, spec_prompts
 
 
 def _spec(fam, method: str | None, k: int = 3):

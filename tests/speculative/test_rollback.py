@@ -13,7 +13,7 @@ import pytest
 
 import jaxspec
 from jaxspec.engine import Engine, Row
-from tests.spec.conftest import DRAFT_NOISE, load, perturb
+from tests.speculative.conftest import DRAFT_NOISE, load, perturb
 
 K = 3
 K_MAX = 5  # state slots per request: 1 + K_MAX > 1 + K, so the slot stride is not 1 + k

@@ -1,4 +1,4 @@
-"""The MTP drafter (jaxspec/spec/mtp.py) on the trained demo target, whose MTP head was trained with
+"""The MTP drafter (jaxspec/speculative/mtp.py) on the trained demo target, whose MTP head was trained with
 it: speculative greedy equals plain greedy; every round's drafts equal an offline recomputation with
 the full-sequence training forward (models/train.py), so the accepted counts match exactly; the
 compiled steps after precompile; refusals (no MTP head, memory budget) leave the model usable.

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import EngineConfig
-from jaxspec.spec import mtp
-from jaxspec.spec.drafters import DraftModelDrafter, NgramDrafter, ReplayDrafter
+from jaxspec.speculative import mtp
+from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, ReplayDrafter
 
 
 @dataclass

@@ -18,7 +18,7 @@ from jaxspec.sampling import (
     token_key,
     warp_probs,
 )
-from jaxspec.spec.verify import rejection_sample
+from jaxspec.speculative.verify import rejection_sample
 
 verify_jit = jax.jit(rejection_sample)
 sample_jit = jax.jit(sample)

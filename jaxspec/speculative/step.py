@@ -14,8 +14,8 @@ from jaxspec import sampling
 from jaxspec.config import EngineConfig, ModelConfig
 from jaxspec.engine import make_batch, row_sampling
 from jaxspec.models.model import forward
-from jaxspec.spec.drafters import RoundInputs
-from jaxspec.spec.verify import rejection_sample
+from jaxspec.speculative.drafters import RoundInputs
+from jaxspec.speculative.verify import rejection_sample
 
 
 def spec_round(params, caches, num_accepted, dparams, dstate, rnd: RoundInputs, sp: sampling.SamplingParams, *,
@@ -91,7 +91,7 @@ def _record(stats, num_emitted: np.ndarray, k: int) -> None:
 def speculative_events(model, requests, spec, stats):
     """Continuous batching with speculative rounds; yields (request index, new token ids)."""
     from jaxspec.generate import admit, release_on_exit, retire_finished
-    from jaxspec.spec.session import make_session
+    from jaxspec.speculative.session import make_session
 
     engine = model.engine(spec.k)
     # pad_to_max: every k runs the k_max executable; drafts beyond spec.k are a masked tail.

@@ -1,7 +1,7 @@
 """Sampling with speculation (DESIGN.md §5): fixed seeds reproduce exactly, whatever the batch;
 and end to end, the token of the first speculative round follows the target's own sampling
 distribution (chi-square on a tiny vocabulary), a check that deliberately wrong rejection samplers
-fail. tests/spec/test_verify.py tests the rejection sampler itself."""
+fail. tests/speculative/test_verify.py tests the rejection sampler itself."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from scipy import stats
 
 import jaxspec
-from jaxspec.spec import step, verify
-from tests.spec.conftest import NEW_TOKENS, load
+from jaxspec.speculative import step, verify
+from tests.speculative.conftest import NEW_TOKENS, load
 
 VOCAB = 12
 N = 3000  # sampled requests per run
