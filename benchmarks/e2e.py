@@ -53,9 +53,12 @@ def parse(argv=None):
     p.add_argument("--compile-threads", type=int, default=common.default_threads())
     p.add_argument("--cache-dir", default="default",
                    help="persistent XLA cache ('default' = $JAXSPEC_CACHE_DIR or the user cache; 'none' = off)")
+    p.add_argument("--rounds-per-dispatch", type=int, default=1, help="the loop's rounds per executable call")
+    p.add_argument("--dispatch-ahead", type=int, default=1, help="calls enqueued before a read-back (0 = sync)")
     p.set_defaults(repeats=3)
     args = common.parse_args(p, argv, SMOKE)
-    args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
+    args.engine = dict(common.SMOKE_ENGINE if args.smoke else common.ENGINE,
+                       rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ahead=args.dispatch_ahead)
     common.check_choices("--methods", args.methods, METHODS, "method")
     if args.prompt_len + args.new_tokens + 16 > args.engine["max_model_len"]:
         raise SystemExit(f"--prompt-len + --new-tokens must stay under max_model_len={args.engine['max_model_len']}")
@@ -86,10 +89,12 @@ def precompile(model, draft, configs, batch: int, threads: int) -> dict:
 
     K = model.max_num_speculative_tokens
     R = model.engine_config(K).request_bucket(batch)
-    table = [Bucket("allocate", 0, 0, K), Bucket("prefill", 1, model.prefill_chunk, K), Bucket("decode", R, 1, K)]
+    S = model.rounds_per_dispatch
+    table = [Bucket("allocate", 0, 0, K), Bucket("set_sampling", 1, 0, K), Bucket("prefill", 1, model.prefill_chunk, K),
+             Bucket("decode", R, 1, K, sampling="greedy", steps=S)]
     for c in configs:
         m, k = c["method"], c["k"]
-        table.append(Bucket(f"verify[{m}]", R, 1 + k, K, k, m))
+        table.append(Bucket(f"verify[{m}]", R, 1 + k, K, k, m, "greedy", S))
         if m == "draft_model":
             table += [Bucket("draft_allocate", 0, 0, k, k, m), Bucket("draft_prefill", 1, draft.prefill_chunk, k, k, m)]
         else:
@@ -114,6 +119,27 @@ def _run(model, prompts, n: int, spec, repeats: int) -> dict:
     return {"seconds": s.seconds, "seconds_all": seconds, "tokens": s.tokens, "steps": s.steps, "tau": s.tau,
             "acceptance_rate": s.acceptance_rate, "acceptance_by_position": s.acceptance_by_position,
             "emitted_histogram": s.emitted_histogram, "token_ids": r.token_ids}
+
+
+def _replay_reference(model, prompts, n: int, plain: list, configs: list) -> tuple[list, dict]:
+    """The replay drafter's reference: the speculative path's own greedy continuation. In bf16 the
+    verify over 1 + k tokens rounds differently from a one-token step, so greedy speculation parts
+    from plain decoding within a few dozen tokens; a reference taken from plain decoding is then
+    wrong from there on and tau collapses towards 1. Replay at alpha 1 (largest k) with the current
+    reference is run until its output is the reference (a fixed point), at most 5 times."""
+    import jaxspec
+
+    ks = [c["k"] for c in configs if c["method"] == "replay"]
+    if not ks:
+        return plain, {}
+    ref, k = plain, max(ks)
+    for i in range(1, 6):
+        spec = jaxspec.SpeculativeConfig("replay", k, replay_tokens=ref, replay_alpha=1.0)
+        out = jaxspec.generate(model, prompts, max_new_tokens=n, speculative=spec).token_ids
+        if out == ref:
+            return ref, {"k": k, "iterations": i, "fixed_point": True, **_parity(ref, plain)}
+        ref = out
+    return ref, {"k": k, "iterations": 5, "fixed_point": False, **_parity(ref, plain)}
 
 
 def _parity(token_ids, reference) -> dict:
@@ -153,6 +179,7 @@ def run_shape(name: str, layers, args, res, budget) -> None:
     plain = _run(model, prompts, n, None, reps)
     reference = plain.pop("token_ids")
     rec["plain"] = _summarise(plain, rec["prefill_s"], args.batch)
+    replay_ref, rec["replay_reference"] = _replay_reference(model, prompts, n, reference, configs)
     log(f"{name}: plain {rec['plain']['tokens_per_s']:.1f} tok/s, decode {fmt(rec['plain']['decode_tokens_per_s'], 1)} "
         f"tok/s ({fmt(rec['plain']['step_ms'])} ms/step), prefill {rec['prefill_s'] * 1e3:.1f} ms")
     res.save()
@@ -164,10 +191,13 @@ def run_shape(name: str, layers, args, res, budget) -> None:
         try:
             spec = SpeculativeConfig(method=c["method"], num_speculative_tokens=c["k"],
                                      draft_model=draft if c["method"] == "draft_model" else None,
-                                     replay_tokens=reference if c["method"] == "replay" else None,
+                                     replay_tokens=replay_ref if c["method"] == "replay" else None,
                                      replay_alpha=c.get("alpha", 1.0))
             run = _run(model, prompts, n, spec, reps)
-            item = {**c, **_summarise(run, rec["prefill_s"], args.batch), **_parity(run.pop("token_ids"), reference)}
+            ids = run.pop("token_ids")
+            item = {**c, **_summarise(run, rec["prefill_s"], args.batch), **_parity(ids, reference)}
+            if c["method"] == "replay":  # replay's reference is the speculative path's own output
+                item["parity_with_reference"] = _parity(ids, replay_ref)["identical_fraction"]
             if c["method"] == "replay":
                 a = c["alpha"]
                 item["expected_tau"] = (1 - a ** (c["k"] + 1)) / (1 - a) if a < 1 else c["k"] + 1.0

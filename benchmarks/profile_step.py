@@ -49,14 +49,15 @@ def parse(argv=None):
     return args
 
 
-def _forward_argmax(params, caches, num_accepted, inputs, *, cfg, ecfg, kernels):
-    """The trunk and a greedy argmax only: the step without the sampler."""
+def _forward_argmax(params, caches, num_emitted, inputs, *, cfg, ecfg, kernels):
+    """The trunk and a greedy argmax only: the step without the sampler or the loop state."""
     from jaxspec.engine import make_batch
     from jaxspec.models.model import forward
 
-    logits, _, caches = forward(params, cfg, caches, make_batch(inputs, num_accepted, ecfg), mode="verify",
-                                kernels=kernels, last_only=False)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches, num_accepted
+    batch = make_batch(inputs["tokens"], inputs["start_pos"], inputs["num_valid"], inputs["block_tables"],
+                       inputs["seq_slot"], num_emitted, ecfg)
+    logits, _, caches = forward(params, cfg, caches, batch, mode="verify", kernels=kernels, last_only=False)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches, num_emitted
 
 
 def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
@@ -76,7 +77,8 @@ def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
     return [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
 
 
-def profile(call, args, name: str, trace_root: str) -> dict:
+def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
+    """Timings per round: a call that runs `steps` rounds is divided by steps."""
     timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=8)
     trace_dir = str(Path(trace_root) / re.sub(r"\W+", "_", name))
     with jax.profiler.trace(trace_dir):
@@ -89,21 +91,21 @@ def profile(call, args, name: str, trace_root: str) -> dict:
     for kname, _, dur in events:
         by_name[kname][0] += dur
         by_name[kname][1] += 1
-    busy_ms = sum(d for _, _, d in events) / 1e6 / args.traced
-    span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / args.traced
+    per = args.traced * steps
+    busy_ms = sum(d for _, _, d in events) / 1e6 / per
+    span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / per
                if events else None)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]
-    return {"step": name, "pipelined_ms": timing["pipelined"]["median_ms"],
-            "latency_ms": timing["latency"]["median_ms"],
-            "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / args.traced,
-            "top": [{"name": n[:160], "ms_per_step": t / 1e6 / args.traced, "calls_per_step": c / args.traced}
+    return {"step": name, "rounds_per_call": steps, "pipelined_ms": timing["pipelined"]["median_ms"] / steps,
+            "latency_ms": timing["latency"]["median_ms"] / steps,
+            "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / per,
+            "top": [{"name": n[:160], "ms_per_step": t / 1e6 / per, "calls_per_step": c / per}
                     for n, (t, c) in top]}
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from jaxspec.engine import step_executable
-    from jaxspec.speculative.step import round_executable
+    from jaxspec.speculative.round import round_executable
 
     name = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b",))[0]
     layers = common.parse_layers(args.layers, [name])[name]
@@ -114,18 +116,12 @@ def main(argv=None) -> int:
     eng.caches = common.block(step_times._randomise(eng.caches, jax.random.PRNGKey(7)))
     cfg, ecfg, R, ks = model.config, eng.ecfg, args.batch, common.int_list(args.ks)
     _, inputs = step_times._batch_inputs(model, eng, R, ks, args.context)
-    st = {"caches": eng.caches, "na": eng.num_accepted}
+    st = {"caches": eng.caches, "state": step_times.loop_state(eng, R, args.context)}
     weights = common.params_bytes_by_kind(cfg, args.dtype)
     bw = common.measure_bandwidth(4 * common.GiB if not args.smoke else common.GiB // 32)
     forward = jax.jit(functools.partial(_forward_argmax, cfg=cfg, ecfg=ecfg, kernels=eng.kernels),
                       donate_argnums=(1, 2))
-    step = step_executable(cfg, ecfg, eng.kernels)
     rng = np.random.default_rng(0)
-
-    def step_call(step_in, sp):
-        tokens, st["caches"], st["na"] = step(model.params, st["caches"], st["na"], step_in, sp, mode="verify",
-                                              last_only=False)
-        return tokens
 
     def forward_call(T):
         step_in = jax.device_put(dict(tokens=rng.integers(0, 1000, (R, T)).astype(np.int32),
@@ -134,34 +130,41 @@ def main(argv=None) -> int:
                                       seq_slot=np.arange(1, R + 1, dtype=np.int32)))
 
         def call():
-            tokens, st["caches"], st["na"] = forward(model.params, st["caches"], st["na"], step_in)
+            tokens, st["caches"], num_emitted = forward(model.params, st["caches"], st["state"].num_emitted, step_in)
+            st["state"] = type(st["state"])(st["state"].last_token, st["state"].position, num_emitted,
+                                             st["state"].block_tables, st["state"].sampling)
             return tokens
         return call
 
-    def round_call(k):
-        dparams, dstate, rnd, sp, drafter = inputs[("verify", k)]
-        fn = round_executable(cfg, ecfg, drafter, eng.kernels)
-        st[k] = dstate
+    def round_call(k, greedy=True, steps=1):
+        """The engine's dispatch of `steps` rounds (k = 0: plain decode); the loop state carries over."""
+        dparams, dstate, rows, num_drafts, drafter = inputs[("verify", k) if k else ("decode", 0)]
+        fn = round_executable(cfg, ecfg, drafter, eng.kernels, greedy, steps)
+        st[(k, greedy, steps)] = dstate
 
         def call():
-            emitted, _, st["caches"], st["na"], st[k] = fn(model.params, st["caches"], st["na"], dparams, st[k],
-                                                           rnd, sp)
+            key = (k, greedy, steps)
+            emitted, _, st["caches"], st["state"], st[key] = fn(model.params, st["caches"], st["state"], dparams,
+                                                               st[key], rows, num_drafts, None)
             return emitted
-        return call
+        return call, steps
 
-    plan = [("decode T=1 (engine step)", 1, functools.partial(step_call, *inputs[("decode", 0)])),
-            ("forward+argmax T=1", 1, forward_call(1))]
+    plan = [("decode T=1 (engine round, greedy)", 1, round_call(0)),
+            ("decode T=1 (engine round, sampling)", 1, round_call(0, greedy=False)),
+            ("decode T=1 x4 rounds per dispatch", 1, round_call(0, steps=4)),
+            ("forward+argmax T=1", 1, (forward_call(1), 1)),
+            ("forward+argmax T=2", 2, (forward_call(2), 1))]
     for k in ks:
-        plan += [(f"verify round k={k} T={1 + k}", 1 + k, round_call(k)), (f"forward+argmax T={1 + k}", 1 + k,
-                                                                           forward_call(1 + k))]
+        plan += [(f"verify round k={k} T={1 + k}", 1 + k, round_call(k)),
+                 (f"forward+argmax T={1 + k}", 1 + k, (forward_call(1 + k), 1))]
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-")
     budget = common.Budget(args.budget_s)
-    for label, T, call in plan:
+    for label, T, (call, steps) in plan:
         if not budget.allows():
             res.skip(label, "budget spent")
             continue
         try:
-            item = profile(call, args, label, trace_root)
+            item = profile(call, args, label, trace_root, steps)
         except Exception as e:
             res.error(label, e)
             continue

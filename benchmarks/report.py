@@ -116,6 +116,53 @@ def compact(docs: dict[str, dict], status: str) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_SHAPES = ("qwen3-4b", "qwen3.5-2b")
+
+
+def _tok_s(run: dict | None):
+    return None if not run else run.get("tokens_per_s")
+
+
+def headline(directory: Path) -> dict:
+    """The headline numbers of one GPU run, per shape: jaxspec plain and speculative (replay alpha
+    0.8, k 7) tokens/s from e2e.json, HF eager and static cache + torch.compile from peers.json, and
+    the decode step's wall, GPU-busy and bytes-floor times from profile_step_<shape>.json (batch 1,
+    the engine's greedy decode round), with the bandwidth the floor used."""
+    docs = _load(directory)
+    env = next((d["env"] for d in docs.values() if d.get("env", {}).get("device_kind")), {})
+    out: dict = {"gpu": env.get("gpu") or env.get("device_kind"), "jax": env.get("versions", {}).get("jax"),
+                 "date": env.get("date_utc")}
+    for shape in HEADLINE_SHAPES:
+        row: dict = {}
+        for rec in docs.get("e2e", {}).get("results", []):
+            if rec.get("shape") == shape and rec.get("batch") == 1 and "plain" in rec:
+                row["plain_tok_s"] = _tok_s(rec["plain"])
+                spec = [r for r in rec.get("runs", []) if r["method"] == "replay" and r["k"] == 7
+                        and r.get("alpha") == 0.8]
+                row["spec_replay_a0.8_k7_tok_s"] = _tok_s(spec[0]) if spec else None
+                row["spec_replay_a0.8_k7_tau"] = spec[0]["tau"] if spec else None
+        for rec in docs.get("peers", {}).get("results", []):
+            if rec.get("shape") == shape:
+                modes = rec.get("modes", {})
+                row["hf_static_compile_tok_s"] = _tok_s(modes.get("static_compile"))
+                row["hf_eager_tok_s"] = _tok_s(modes.get("eager"))
+        prof = directory / f"profile_step_{shape}.json"
+        if prof.exists():
+            d = json.loads(prof.read_text())
+            decode = next((r for r in d.get("results", []) if r["step"].startswith("decode T=1 (engine round, greedy")),
+                          None)
+            if decode:
+                row.update(decode_step_wall_ms=decode["pipelined_ms"], decode_device_busy_ms=decode["device_busy_ms"],
+                           decode_floor_ms=decode["floor_ms"])
+            row["bandwidth_tb_s"] = d.get("bandwidth", {}).get("tb_per_s")
+        plain, hf = row.get("plain_tok_s"), row.get("hf_static_compile_tok_s")
+        row["plain_over_hf_static_compile"] = plain / hf if plain and hf else None
+        spec = row.get("spec_replay_a0.8_k7_tok_s")
+        row["spec_over_hf_static_compile"] = spec / hf if spec and hf else None
+        out[shape] = row
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("directory", nargs="?", default=str(common.RESULTS_DIR), help="results directory")
@@ -131,6 +178,9 @@ def main(argv=None) -> int:
                    + "\n```\n")
     print(short)
     print(f"\nwrote {out}")
+    head = headline(directory)
+    (directory / "headline.json").write_text(json.dumps(head, indent=1) + "\n")
+    print("headline:", json.dumps(head, indent=1))
     return 0
 
 

@@ -5,7 +5,7 @@ context, against the physical floor; the verify fit verify(t) = a + b*t; the sam
 op (jax.disable_jit) as the captured-vs-eager ratio; and memory per request (KV per token, GDN
 state at each k) with the largest batch that fits the device.
 
-Executables: decode = engine.step_executable at (R, 1); verify = speculative.step.round_executable with
+Executables: decode = the round of the NoDrafter at (R, 1); verify = speculative.round.round_executable with
 the replay drafter (a gather: the round is the verify forward plus the on-device rejection sampler)
 at (R, 1+k). Both are lowered from the engine's own jitted functions, compiled in a thread pool and
 called with the engine's caches (donated), randomised so no timing runs on zeros. Every row starts
@@ -96,63 +96,65 @@ def _tables(ecfg, R: int) -> np.ndarray:
     return (1 + np.arange(R)[:, None] * P + np.arange(P)[None, :]).astype(np.int32)
 
 
-def _batch_inputs(model, eng, R: int, ks: list[int], context: int):
+def loop_state(eng, R: int, context: int, seed: int = 0):
+    """The engine's loop state with rows 1..R at `context` cached tokens, each owning a contiguous
+    run of pages, random last tokens, greedy sampling (a host build + one transfer)."""
+    from jaxspec.engine import LoopState
+
+    ecfg, rng = eng.ecfg, np.random.default_rng(seed)
+    n = ecfg.max_num_seqs + 1
+    tables = np.zeros((n, ecfg.pages_per_seq), np.int32)
+    tables[1:R + 1] = _tables(ecfg, R)
+    last = np.zeros((n,), np.int32)
+    last[1:R + 1] = rng.integers(0, min(eng.cfg.vocab_size, 32000), (R,))
+    position = np.zeros((n,), np.int32)
+    position[1:R + 1] = context
+    s = eng.state
+    return LoopState(last_token=jax.device_put(last), position=jax.device_put(position),
+                     num_emitted=jax.device_put(np.ones((n,), np.int32)), block_tables=jax.device_put(tables),
+                     sampling=s.sampling)
+
+
+def _batch_inputs(model, eng, R: int, ks: list[int], context: int, steps: int = 1):
     """({("decode", 0) | ("verify", k): a function returning the Lowered executable}, call inputs):
-    rows 0..R-1 in slots 1..R at `context` cached tokens, random tokens and drafts, greedy."""
-    from jaxspec import sampling
-    from jaxspec.engine import step_executable
-    from jaxspec.speculative.drafters import RoundInputs
+    rows in slots 1..R at `context` cached tokens, greedy; decode is the round of the NoDrafter,
+    verify the replay drafter's round (random references, alpha 0.5). The loop state advances by
+    the emitted tokens on every call, as in serving (a few hundred positions over a timing run)."""
+    from jaxspec.speculative.round import round_executable
     from jaxspec.speculative.session import make_drafter
-    from jaxspec.speculative.step import round_executable
 
     cfg, ecfg, rng = model.config, eng.ecfg, np.random.default_rng(R)
     vocab = min(cfg.vocab_size, 32000)
-    sp = sampling.make_sampling_params(R, temperature=0.0, seed=0)
-    tables = _tables(ecfg, R)
-    slots = np.arange(1, R + 1, dtype=np.int32)
-    start = np.full((R,), context, np.int32)
+    rows = jax.device_put(np.arange(1, R + 1, dtype=np.int32))
     makers, inputs = {}, {}
-    step_in = jax.device_put(dict(tokens=rng.integers(0, vocab, (R, 1)).astype(np.int32), start_pos=start,
-                                  num_valid=np.ones((R,), np.int32), block_tables=tables, seq_slot=slots))
-    step_fn = step_executable(cfg, ecfg, eng.kernels)
-    makers[("decode", 0)] = lambda: step_fn.lower(model.params, eng.caches, eng.num_accepted, step_in, sp,
-                                                  mode="verify", last_only=False)
-    inputs[("decode", 0)] = (step_in, sp)
-    for k in ks:
-        drafter = make_drafter("replay", model, ecfg, k)
-        S = ecfg.max_num_seqs + 1
-        dstate = jax.device_put({"ref": rng.integers(0, vocab, (S, drafter.ref_len)).astype(np.int32),
-                                 "length": np.full((S,), drafter.ref_len, np.int32),
-                                 "generated": np.zeros((S,), np.int32)})
-        dparams = jax.device_put({"alpha": np.float32(0.5), "seed": np.uint32(0)})
-        rnd = RoundInputs(**jax.device_put(dict(
-            last_token=rng.integers(0, vocab, (R,)).astype(np.int32), start_pos=start, block_tables=tables,
-            seq_slot=slots, request_id=np.arange(R, dtype=np.int32), num_drafts=np.full((R,), k, np.int32),
-            aux_block_tables=np.zeros((R, 1), np.int32))))
-        fn = round_executable(cfg, ecfg, drafter, eng.kernels)
-        makers[("verify", k)] = functools.partial(fn.lower, model.params, eng.caches, eng.num_accepted, dparams,
-                                                  dstate, rnd, sp)
-        inputs[("verify", k)] = (dparams, dstate, rnd, sp, drafter)
+    for k in [0] + list(ks):
+        drafter = make_drafter("replay" if k else None, model, ecfg, k)
+        dparams = dstate = None
+        if k:
+            S = ecfg.max_num_seqs + 1
+            dstate = jax.device_put({"ref": rng.integers(0, vocab, (S, drafter.ref_len)).astype(np.int32),
+                                     "length": np.full((S,), drafter.ref_len, np.int32),
+                                     "generated": np.zeros((S,), np.int32)})
+            dparams = jax.device_put({"alpha": np.float32(0.5), "seed": np.uint32(0)})
+        fn = round_executable(cfg, ecfg, drafter, eng.kernels, True, steps)
+        num_drafts = jax.device_put(np.int32(k))
+        key = ("verify", k) if k else ("decode", 0)
+        makers[key] = functools.partial(fn.lower, model.params, eng.caches, eng.state, dparams, dstate, rows,
+                                        num_drafts, None)
+        inputs[key] = (dparams, dstate, rows, num_drafts, drafter)
     return makers, inputs
 
 
 def _caller(key, exe, model, st: dict, inputs):
-    """A zero-argument step threading the donated caches / num_accepted / drafter state through st."""
+    """A zero-argument dispatch threading the donated caches / loop state / drafter state through st."""
     params = model.params
-    if key[0] == "decode":
-        step_in, sp = inputs
+    dparams, _, rows, num_drafts, _ = inputs
+    k = key[1]
 
-        def call():
-            tokens, st["caches"], st["na"] = exe(params, st["caches"], st["na"], step_in, sp)
-            return tokens
-    else:
-        dparams, _, rnd, sp, _ = inputs
-        k = key[1]
-
-        def call():
-            emitted, _, st["caches"], st["na"], st["dstate"][k] = exe(params, st["caches"], st["na"], dparams,
-                                                                        st["dstate"][k], rnd, sp)
-            return emitted
+    def call():
+        emitted, _, st["caches"], st["state"], st["dstate"][k] = exe(params, st["caches"], st["state"], dparams,
+                                                                     st["dstate"][k], rows, num_drafts, None)
+        return emitted
     return call
 
 
@@ -178,8 +180,8 @@ def _renew_state(model, eng, st: dict) -> None:
 
     if any(x.is_deleted() for x in jax.tree_util.tree_leaves(st["caches"])):
         st["caches"] = _randomise(cache.allocate(model.config, eng.ecfg, model.dtype), jax.random.PRNGKey(8))
-    if st["na"].is_deleted():
-        st["na"] = jax.device_put(np.ones((eng.ecfg.max_num_seqs + 1,), np.int32))
+    if any(x.is_deleted() for x in jax.tree_util.tree_leaves(st["state"])):
+        st["state"] = loop_state(eng, st["R"], st["context"])
     for k, d in list(st["dstate"].items()):
         if any(x.is_deleted() for x in jax.tree_util.tree_leaves(d)):
             st["dstate"].pop(k)
@@ -193,8 +195,9 @@ def run_batch(model, eng, R: int, args, weights: dict, bandwidth: float) -> dict
     lower_total = sum(lower_s.values())
     log(f"  R={R}: {len(compiled)} executables lowered ({lower_total:.1f}s) and compiled "
         f"({args.compile_threads} threads) in {compile_wall:.1f}s" + (f"; {len(errors)} failed" if errors else ""))
-    st = {"caches": eng.caches, "na": eng.num_accepted,
-          "dstate": {k: inputs[("verify", k)][1] for k in ks if ("verify", k) in inputs}}
+    eng.state = loop_state(eng, R, args.context)
+    st = {"caches": eng.caches, "state": eng.state, "R": R, "context": args.context,
+          "dstate": {k: inputs[key][1] for key in inputs for k in [key[1]]}}
     items = []
     for key in [("decode", 0)] + [("verify", k) for k in ks]:
         kind, k = key
@@ -222,7 +225,7 @@ def run_batch(model, eng, R: int, args, weights: dict, bandwidth: float) -> dict
         items.append(item)
         log(f"  R={R} {kind:6s} T={T:2d}: pipelined {fmt(item['pipelined_ms'], 3)} ms, latency "
             f"{item['latency_ms']:.3f} ms, floor {floor_ms:.3f} ms, x{item['ratio_to_floor']:.2f}")
-    eng.caches, eng.num_accepted = st["caches"], st["na"]
+    eng.caches, eng.state = st["caches"], st["state"]
     ok = [i for i in items if "error" not in i]
     fits = {}
     for mode in ("pipelined_ms", "latency_ms"):
@@ -238,17 +241,18 @@ def run_batch(model, eng, R: int, args, weights: dict, bandwidth: float) -> dict
 
 def run_eager(model, eng, args, captured_ms: float | None) -> dict:
     """The verify round at batch 1, k = --eager-k, op by op (jax.disable_jit): the 'graph off' A/B."""
-    from jaxspec.speculative.step import spec_round
+    from jaxspec.speculative.round import one_round
 
     k = args.eager_k
     _, inputs = _batch_inputs(model, eng, 1, [k], args.context)
-    dparams, dstate, rnd, sp, drafter = inputs[("verify", k)]
-    fn = functools.partial(spec_round, cfg=model.config, ecfg=eng.ecfg, drafter=drafter, kernels=eng.kernels)
-    st = {"caches": eng.caches, "na": eng.num_accepted, "dstate": dstate}
+    dparams, dstate, rows, num_drafts, drafter = inputs[("verify", k)]
+    fn = functools.partial(one_round, cfg=model.config, ecfg=eng.ecfg, drafter=drafter, kernels=eng.kernels,
+                           greedy=True)
+    st = {"caches": eng.caches, "state": loop_state(eng, 1, args.context), "dstate": dstate}
 
     def call():
-        emitted, _, st["caches"], st["na"], st["dstate"] = fn(model.params, st["caches"], st["na"], dparams,
-                                                             st["dstate"], rnd, sp)
+        emitted, _, st["caches"], st["state"], st["dstate"] = fn(model.params, st["caches"], st["state"], dparams,
+                                                                 st["dstate"], rows, num_drafts, None)
         return emitted
 
     cache_on = jax.config.jax_enable_compilation_cache
@@ -258,7 +262,7 @@ def run_eager(model, eng, args, captured_ms: float | None) -> dict:
             timing = common.time_steps(call, warmup=1, repeats=max(3, min(args.repeats, 5)), pipeline=0)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_on)
-    eng.caches, eng.num_accepted = st["caches"], st["na"]
+    eng.caches, eng.state = st["caches"], st["state"]
     eager_ms = timing["latency"]["median_ms"]
     return {"R": 1, "k": k, "T": 1 + k, "eager_latency_ms": eager_ms, "captured_latency_ms": captured_ms,
             "eager_over_captured": eager_ms / captured_ms if captured_ms else None, "timing": timing,

@@ -25,7 +25,7 @@ def cache_shapes(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:
                                 cfg.linear_value_head_dim), jnp.float32)
     if ecfg.conv_per_state_slot:  # a window per state slot, advanced one token per step
         conv = jax.ShapeDtypeStruct((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), dtype)
-    else:  # one sliding line per request, read at offset num_accepted - 1
+    else:  # one sliding line per request, read at offset num_emitted - 1
         line = (cfg.linear_conv_kernel_dim - 1) + ecfg.max_num_speculative_tokens
         conv = jax.ShapeDtypeStruct((1 + ecfg.max_num_seqs, line, cfg.gdn_conv_dim), dtype)
     return {

@@ -36,6 +36,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive("prefill-chunk"), default=64, help="prefill chunk (tokens)")
     p.add_argument("--k-mode", default="per_k", choices=["per_k", "pad_to_max"],
                    help="one verify executable per k, or every k padded to the largest")
+    p.add_argument("--rounds-per-dispatch", type=_positive("rounds-per-dispatch"), default=1,
+                   help="decode steps / speculative rounds per executable call (read back together)")
+    p.add_argument("--dispatch-ahead", type=int, default=1,
+                   help="calls enqueued before the oldest one's tokens are read (0 = synchronous)")
     p.add_argument("--cache-dir", default="default",
                    help="persistent compilation cache (default: $JAXSPEC_CACHE_DIR or the user cache dir)")
     p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
@@ -87,6 +91,7 @@ def _load(args, path=None, k_values=()):
     return jaxspec.load(path or args.model, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
                         max_num_speculative_tokens=max_k, k_mode=args.k_mode,
+                        rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ahead=args.dispatch_ahead,
                         cache_dir=None if args.no_cache else args.cache_dir)
 
 
@@ -189,6 +194,8 @@ def _cmd_info(args) -> int:
     for name, value in sorted(vars(cfg).items()):
         print(f"  {name}: {value}")
     print(f"parameters: {count:,} ({params_bytes(model.params) / 2**20:.2f} MiB as {model.dtype.__name__})")
+    print(f"loop: {model.rounds_per_dispatch} round(s) per dispatch, {model.dispatch_ahead} dispatch(es) ahead "
+          f"of the read-back")
     print("memory plan:\n" + "\n".join(_memory_lines(model, args.k)))
     print("bucket table:\n" + jc.print_table(jc.bucket_table(model, k_values=args.k, methods=("ngram",))))
     return 0

@@ -149,17 +149,23 @@ def enable_persistent_cache(cache_dir: str | os.PathLike | None = "default") -> 
 # The bucket table: every executable generate can use for a model's settings
 # ------------------------------------------------------------------------------------------------
 
+SAMPLING_MODES = ("greedy", "sample")  # a round's static sampling mode: all rows greedy, or any sampled
+
+
 @dataclass(frozen=True)
 class Bucket:
     """One executable. Key = (num_tokens, num_reqs, uniform query length), as vLLM's BatchDescriptor;
-    engine_k is the k_max its caches are sized for."""
+    engine_k is the k_max its caches are sized for; rounds (decode / verify) also carry their
+    sampling mode and the rounds per dispatch."""
 
-    name: str  # "prefill" | "decode" | "verify[<method>]" | "draft_prefill" | "prefill_hidden" | "admit[mtp]"
+    name: str  # "prefill" | "decode" | "verify[<method>]" | "draft_prefill" | "prefill_hidden" | "admit[...]" | ...
     num_reqs: int
     query_len: int
     engine_k: int = 0
     k: int = 0
     method: str | None = None
+    sampling: str = ""  # rounds only: "greedy" | "sample"
+    steps: int = 0  # rounds only: rounds per dispatch
 
     @property
     def num_tokens(self) -> int:
@@ -168,19 +174,25 @@ class Bucket:
     def describe(self) -> str:
         if not self.num_reqs:  # cache allocation
             return f"caches k_max={self.engine_k}"
-        if not self.query_len:  # a drafter's per-request state update at admission
+        if not self.query_len:  # a per-request state update at admission
             return f"one slot k={self.k}"
         k = f" k={self.k}" if self.k else ""
-        return f"R={self.num_reqs} T={self.query_len} tokens={self.num_tokens}{k} (caches k_max={self.engine_k})"
+        rounds = f" {self.sampling} x{self.steps}" if self.steps else ""
+        return (f"R={self.num_reqs} T={self.query_len} tokens={self.num_tokens}{k}{rounds} "
+                f"(caches k_max={self.engine_k})")
 
 
-def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None) -> list[Bucket]:
+def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sampling=SAMPLING_MODES) -> list[Bucket]:
     """The exact set of executables generate uses for these settings: plain prefill + decode per
     request bucket, and for each speculative k (per_k) or the padded maximum (pad_to_max) one
-    verify round per method and request bucket, plus the draft model's prefill."""
+    verify round per method and request bucket, plus the drafters' admission executables. Rounds
+    come in each of the `sampling` modes ("greedy": every row greedy; "sample": any row sampled)."""
     buckets = model.engine_config(0).request_buckets
-    chunk = model.prefill_chunk
+    chunk, steps = model.prefill_chunk, model.rounds_per_dispatch
     k_values = tuple(sorted(set(k_values)))
+    bad = [m for m in sampling if m not in SAMPLING_MODES]
+    if bad or not sampling:
+        raise ValueError(f"sampling={tuple(sampling)!r}: choose from {SAMPLING_MODES}")
     table: list[Bucket] = []
 
     def engine_k(k):
@@ -190,18 +202,23 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None) ->
         if entry not in table:
             table.append(entry)
 
-    add(Bucket("allocate", 0, 0, engine_k(0)))
-    add(Bucket("prefill", 1, chunk, engine_k(0)))
-    for r in buckets:
-        add(Bucket("decode", r, 1, engine_k(0)))
+    def engine_entries(k, prefill: bool):
+        add(Bucket("allocate", 0, 0, engine_k(k)))
+        add(Bucket("set_sampling", 1, 0, engine_k(k)))
+        if prefill:
+            add(Bucket("prefill", 1, chunk, engine_k(k)))
+
+    engine_entries(0, True)
+    for mode in sampling:
+        for r in buckets:
+            add(Bucket("decode", r, 1, engine_k(0), sampling=mode, steps=steps))
     run_ks = k_values if model.k_mode == "per_k" else ((model.max_num_speculative_tokens,) if k_values else ())
     for k in run_ks:
-        add(Bucket("allocate", 0, 0, engine_k(k)))
-        if any(method != "mtp" for method in methods):  # mtp prefills through prefill_hidden
-            add(Bucket("prefill", 1, chunk, engine_k(k)))
+        engine_entries(k, any(method != "mtp" for method in methods))  # mtp prefills through prefill_hidden
         for method in methods:
-            for r in buckets:
-                add(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method))
+            for mode in sampling:
+                for r in buckets:
+                    add(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method, mode, steps))
             if method == "draft_model":
                 add(Bucket("draft_allocate", 0, 0, k, k, method))
                 add(Bucket("draft_prefill", 1, draft_model.prefill_chunk, k, k, method))
@@ -241,41 +258,42 @@ def _shape(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _step_inputs(ecfg, R: int, T: int) -> dict:
+def _loop_state(ecfg):
+    """Abstract engine.LoopState, as engine.init_loop_state allocates it."""
+    import jax
     import jax.numpy as jnp
 
-    i32 = jnp.int32
-    return dict(tokens=_shape((R, T), i32), start_pos=_shape((R,), i32), num_valid=_shape((R,), i32),
-                block_tables=_shape((R, ecfg.pages_per_seq), i32), seq_slot=_shape((R,), i32))
+    from jaxspec.engine import init_loop_state
 
-
-def _sampling(R: int):
-    import jax.numpy as jnp
-
-    from jaxspec.sampling import SamplingParams
-
-    return SamplingParams(temperature=_shape((R,), jnp.float32), top_k=_shape((R,), jnp.int32),
-                          top_p=_shape((R,), jnp.float32), seed=_shape((R,), jnp.uint32),
-                          request_id=_shape((R,), jnp.int32))
+    return jax.eval_shape(lambda: jax.tree_util.tree_map(jnp.asarray, init_loop_state(ecfg)))
 
 
 def _engine_args(model, ecfg):
-    """(params, cache shapes, num_accepted shape) exactly as an Engine passes them."""
-    import jax.numpy as jnp
-
+    """(params, cache shapes, loop state shapes) exactly as an Engine passes them."""
     from jaxspec import cache
 
-    caches = cache.cache_shapes(model.config, ecfg, model.dtype)
-    return model.params, caches, _shape((ecfg.max_num_seqs + 1,), jnp.int32)
+    return model.params, cache.cache_shapes(model.config, ecfg, model.dtype), _loop_state(ecfg)
 
 
-def _lower_step(model, ecfg, R: int, T: int, mode: str, last_only: bool, with_hidden: bool = False):
+def _lower_prefill(model, ecfg, C: int, with_hidden: bool = False):
+    import jax.numpy as jnp
+
     from jaxspec import ops
-    from jaxspec.engine import step_executable
+    from jaxspec.engine import prefill_executable
 
-    fn = step_executable(model.config, ecfg, ops.resolve_kernels(model.kernels))
-    return fn.lower(*_engine_args(model, ecfg), _step_inputs(ecfg, R, T), _sampling(R), mode=mode,
-                    last_only=last_only, with_hidden=with_hidden)
+    fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden)
+    one = _shape((1,), jnp.int32)
+    return fn.lower(*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)
+
+
+def _lower_set_sampling(model, ecfg):
+    import jax.numpy as jnp
+
+    from jaxspec.engine import set_slot
+
+    settings = dict(temperature=_shape((), jnp.float32), top_k=_shape((), jnp.int32), top_p=_shape((), jnp.float32),
+                    seed=_shape((), jnp.uint32), request_id=_shape((), jnp.int32))
+    return set_slot.lower(_loop_state(ecfg), _shape((1,), jnp.int32), settings)
 
 
 def _mtp_state(drafter, ecfg, dtype) -> dict:
@@ -309,33 +327,27 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
     import jax.numpy as jnp
 
     from jaxspec import cache, ops
-    from jaxspec.speculative.drafters import RoundInputs
+    from jaxspec.speculative.round import round_executable
     from jaxspec.speculative.session import make_drafter
-    from jaxspec.speculative.step import round_executable
 
     drafter = make_drafter(bucket.method, model, ecfg, bucket.k, draft_model=draft_model)
-    num_slots, R, i32 = ecfg.max_num_seqs + 1, bucket.num_reqs, jnp.int32
+    num_slots, i32 = ecfg.max_num_seqs + 1, jnp.int32
+    dparams, dstate, aux = None, None, None
     if bucket.method == "draft_model":
         dparams = draft_model.params
         dstate = {"caches": cache.cache_shapes(draft_model.config, drafter.ecfg, draft_model.dtype)}
-        aux = drafter.ecfg.pages_per_seq
+        aux = _shape((num_slots, drafter.ecfg.pages_per_seq), i32)
     elif bucket.method == "mtp":
         from jaxspec.speculative import mtp
 
-        dparams, dstate, aux = mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype), \
-            ecfg.pages_per_seq
-    else:
+        dparams, dstate = mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype)
+    elif bucket.method is not None:
         dparams = {"alpha": _shape((), jnp.float32), "seed": _shape((), jnp.uint32)} if bucket.method == "replay" \
             else None
         dstate = jax.eval_shape(lambda: drafter.init_state(num_slots))
-        aux = 1
-    rnd = RoundInputs(last_token=_shape((R,), i32), start_pos=_shape((R,), i32),
-                      block_tables=_shape((R, ecfg.pages_per_seq), i32), seq_slot=_shape((R,), i32),
-                      request_id=_shape((R,), i32), num_drafts=_shape((R,), i32),
-                      aux_block_tables=_shape((R, aux), i32))
-    fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels))
-    params, caches, na = _engine_args(model, ecfg)
-    return fn.lower(params, caches, na, dparams, dstate, rnd, _sampling(R))
+    fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels),
+                          bucket.sampling == "greedy", bucket.steps)
+    return fn.lower(*_engine_args(model, ecfg), dparams, dstate, _shape((bucket.num_reqs,), i32), _shape((), i32), aux)
 
 
 def lower_bucket(model, bucket: Bucket, draft_model=None):
@@ -351,17 +363,16 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
     if bucket.name == "draft_allocate":
         draft_ecfg = draft_engine_config(ecfg, draft_model, bucket.k)
         return cache.allocate_executable(draft_model.config, draft_ecfg, jnp.dtype(draft_model.dtype)).lower()
+    if bucket.name == "set_sampling":
+        return _lower_set_sampling(model, ecfg)
     if bucket.name == "prefill":
-        return _lower_step(model, ecfg, 1, bucket.query_len, "prefill", True)
+        return _lower_prefill(model, ecfg, bucket.query_len)
     if bucket.name == "prefill_hidden":
-        return _lower_step(model, ecfg, 1, bucket.query_len, "prefill", True, with_hidden=True)
+        return _lower_prefill(model, ecfg, bucket.query_len, with_hidden=True)
     if bucket.name == "admit[mtp]":
         return _lower_mtp_admit(model, ecfg, bucket)
-    if bucket.name == "decode":
-        return _lower_step(model, ecfg, bucket.num_reqs, 1, "verify", False)
     if bucket.name == "draft_prefill":
-        return _lower_step(draft_model, draft_engine_config(ecfg, draft_model, bucket.k), 1, bucket.query_len,
-                           "prefill", True)
+        return _lower_prefill(draft_model, draft_engine_config(ecfg, draft_model, bucket.k), bucket.query_len)
     if bucket.name.startswith("admit["):
         return _lower_admit(model, ecfg, bucket)
     return _lower_round(model, ecfg, bucket, draft_model)

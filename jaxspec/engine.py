@@ -1,14 +1,18 @@
-"""The engine owns the caches, the request slots, the KV page allocator and the jitted step functions
-of one (model, EngineConfig). It knows nothing about prompts or stopping; generate.py drives it.
+"""The engine owns the caches, the device-resident loop state, the request slots and the KV page
+allocator of one (model, EngineConfig), and the prefill and scoring executables. It knows nothing
+about prompts or stopping: jaxspec/loop.py drives it (docs/architecture.md, "Life of a request").
 
 Sizes that define an executable (request bucket R, tokens per row T, mode) are static; everything
 per request or per step is an array argument, so the same executable serves every step of its shape.
+Everything a round needs per slot (last token, position, emitted count, block table, sampling
+settings) lives on the device in `LoopState`, so a round's inputs are produced on the device by the
+round before it and the host sends only what changed.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -19,96 +23,93 @@ from jaxspec.config import EngineConfig, ModelConfig
 from jaxspec.models.model import StepBatch, forward
 
 
+@jax.tree_util.register_dataclass
 @dataclass
-class Row:
-    """Host view of one request's row in a step."""
+class LoopState:
+    """Per-slot loop state on the device; index = engine slot, 0 = the null slot of padding rows.
 
-    slot: int  # engine slot 1..max_num_seqs
-    tokens: list[int]  # the row's input tokens (<= T)
-    start_pos: int  # tokens already cached
-    request_id: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    A round reads its rows' entries and writes them back, so round N + 1 is built on the device from
+    round N's outputs. The host writes a slot only when a request is admitted (set_slot) and the
+    block tables when pages were reserved (Engine.sync_tables)."""
 
-
-def row_sampling(rows: list[Row], R: int) -> sampling.SamplingParams:
-    """Per-row sampling settings padded to R rows (padding rows: greedy, request 0). The same rows
-    step after step reuse one set of device arrays (no host-to-device copies per step)."""
-    settings = tuple((r.temperature, r.top_k, r.top_p, r.seed, r.request_id) for r in rows)
-    return _sampling_arrays(settings + ((0.0, 0, 1.0, 0, 0),) * (R - len(rows)))
+    last_token: jax.Array  # [S+1] int32, the committed token not yet in the cache (x0 of the next round)
+    position: jax.Array  # [S+1] int32, tokens in the cache (x0's position)
+    num_emitted: jax.Array  # [S+1] int32, tokens the last round emitted (1..1+k; 1 after prefill)
+    block_tables: jax.Array  # [S+1, P] int32, KV page ids (0 = null page)
+    sampling: sampling.SamplingParams  # [S+1] fields: temperature, top_k, top_p, seed, request_id
 
 
-@functools.lru_cache(maxsize=256)
-def _sampling_arrays(settings: tuple) -> sampling.SamplingParams:
-    """Device SamplingParams of per-row (temperature, top_k, top_p, seed, request_id); never donated."""
-    temperature, top_k, top_p, seed, request_id = (list(column) for column in zip(*settings, strict=True))
-    return sampling.make_sampling_params(len(settings), temperature=temperature, top_k=top_k, top_p=top_p,
-                                         seed=seed, request_id=request_id)
+def init_loop_state(ecfg: EngineConfig) -> LoopState:
+    """Zeros for every slot (host arrays + one transfer; no device compile)."""
+    n = ecfg.max_num_seqs + 1
+    zeros = lambda dtype: np.zeros((n,), dtype)  # noqa: E731
+    host = LoopState(last_token=zeros(np.int32), position=zeros(np.int32), num_emitted=np.ones((n,), np.int32),
+                     block_tables=np.zeros((n, ecfg.pages_per_seq), np.int32),
+                     sampling=sampling.SamplingParams(temperature=zeros(np.float32), top_k=zeros(np.int32),
+                                                      top_p=np.ones((n,), np.float32), seed=zeros(np.uint32),
+                                                      request_id=zeros(np.int32)))
+    return jax.device_put(host)
 
 
-@dataclass
-class StepInputs:
-    """Device arrays for one step, padded to the bucket (R, T)."""
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_slot(state: LoopState, slot, settings: dict) -> LoopState:
+    """Write one admitted request's sampling settings into its slot (slot [1]; settings: scalars)."""
+    sp = state.sampling
+    new = sampling.SamplingParams(**{name: getattr(sp, name).at[slot].set(settings[name])
+                                     for name in ("temperature", "top_k", "top_p", "seed", "request_id")})
+    return LoopState(state.last_token, state.position, state.num_emitted, state.block_tables, new)
 
-    batch: dict = field(default_factory=dict)  # tokens, start_pos, num_valid, block_tables, seq_slot
-    sampling: sampling.SamplingParams | None = None
 
+def state_indices(seq_slot, num_emitted, slots_per_seq: int, conv_per_state_slot: bool) -> dict:
+    """GDN state and conv-line indices of each row, computed on device (docs/architecture.md,
+    "GDN rollback").
 
-def state_indices(seq_slot, num_accepted, slots_per_seq: int, conv_per_state_slot: bool) -> dict:
-    """GDN state and conv-line indices of each row (DESIGN.md §5), computed on device.
-
-    seq_slot [R] (0 = padding row), num_accepted [R] (1..1+k, from the previous round). The request in
+    seq_slot [R] (0 = padding row), num_emitted [R] (1..1+k, from the previous round). The request in
     slot s owns state slots base .. base+k with base = 1 + (s-1)*slots_per_seq; the start state is read
-    from base + num_accepted - 1 and the state after token t written to base + t. The conv window is
-    one line per request read at offset num_accepted - 1 (or, for conv_per_state_slot engines, one
+    from base + num_emitted - 1 and the state after token t written to base + t. The conv window is
+    one line per request read at offset num_emitted - 1 (or, for conv_per_state_slot engines, one
     line per state slot, indexed like the state).
     """
     live = seq_slot > 0
     base = jnp.where(live, 1 + (seq_slot - 1) * slots_per_seq, 0)
-    read = jnp.where(live, base + num_accepted - 1, 0)
+    read = jnp.where(live, base + num_emitted - 1, 0)
     if conv_per_state_slot:
         conv = dict(conv_read=read, conv_offset=jnp.zeros_like(read), conv_write=base)
     else:
-        conv = dict(conv_read=seq_slot, conv_offset=jnp.where(live, num_accepted - 1, 0), conv_write=seq_slot)
+        conv = dict(conv_read=seq_slot, conv_offset=jnp.where(live, num_emitted - 1, 0), conv_write=seq_slot)
     return dict(state_read=read, state_write=base, **conv)
 
 
-def make_batch(inputs: dict, num_accepted, ecfg: EngineConfig) -> StepBatch:
-    """StepBatch from host inputs (tokens, start_pos, num_valid, block_tables, seq_slot) and the
-    device-resident num_accepted [S+1]."""
-    fields = {k: v for k, v in inputs.items() if k != "seq_slot"}
-    slots = state_indices(inputs["seq_slot"], num_accepted[inputs["seq_slot"]], ecfg.state_slots_per_seq,
-                          ecfg.conv_per_state_slot)
-    return StepBatch(**fields, **slots)
+def make_batch(tokens, start_pos, num_valid, block_tables, seq_slot, num_emitted, ecfg: EngineConfig) -> StepBatch:
+    """StepBatch of rows in slots seq_slot [R] with num_emitted [S+1] the device-resident counts."""
+    slots = state_indices(seq_slot, num_emitted[seq_slot], ecfg.state_slots_per_seq, ecfg.conv_per_state_slot)
+    return StepBatch(tokens=tokens, start_pos=start_pos, num_valid=num_valid, block_tables=block_tables, **slots)
 
 
-def step(params, caches, num_accepted, inputs: dict, sp: sampling.SamplingParams, *, cfg: ModelConfig,
-         ecfg: EngineConfig, mode: str, kernels: str, last_only: bool, with_hidden: bool = False):
-    """One forward + on-device sampling. num_accepted [S+1] int32 lives on device (index = slot).
-
-    Returns (tokens [R, T'] int32, caches, num_accepted) with T' = 1 when last_only, and the final
-    hidden states [R, T, H] last when with_hidden (the MTP drafter's prompt input). The token sampled
-    from input position p has absolute position p + 1, which keys its random numbers.
-    """
-    batch = make_batch(inputs, num_accepted, ecfg)
-    logits, hidden, caches = forward(params, cfg, caches, batch, mode=mode, kernels=kernels, last_only=last_only)
-    if last_only:
-        positions = (batch.start_pos + batch.num_valid)[:, None]  # [R, 1]
-    else:
-        positions = batch.start_pos[:, None] + 1 + jnp.arange(logits.shape[1], dtype=jnp.int32)[None, :]
-    tokens = sampling.sample(logits, sp, positions)
-    num_accepted = num_accepted.at[inputs["seq_slot"]].set(1)  # padding rows write the unused index 0
-    return (tokens, caches, num_accepted, hidden) if with_hidden else (tokens, caches, num_accepted)
+def prefill_chunk(params, caches, state: LoopState, tokens, start_pos, num_valid, slot, *, cfg: ModelConfig,
+                  ecfg: EngineConfig, kernels: str, with_hidden: bool):
+    """One prompt chunk of one request: tokens [1, C] at positions start_pos [1] .., num_valid [1]
+    real. Samples the token after the chunk's last valid position and records it in the loop state
+    as the slot's next round input (last_token, position, num_emitted = 1); the final chunk's
+    values are the ones that stay. Returns (token [1] int32, caches, state[, hidden [1, C, H]])."""
+    batch = make_batch(tokens, start_pos, num_valid, state.block_tables[slot], slot, state.num_emitted, ecfg)
+    logits, hidden, caches = forward(params, cfg, caches, batch, mode="prefill", kernels=kernels, last_only=True)
+    sp = jax.tree_util.tree_map(lambda x: x[slot], state.sampling)
+    end = start_pos + num_valid  # [1], the position of the sampled token
+    token = sampling.sample(logits, sp, end[:, None])[:, 0]  # [1]
+    state = LoopState(last_token=state.last_token.at[slot].set(token), position=state.position.at[slot].set(end),
+                      num_emitted=state.num_emitted.at[slot].set(1), block_tables=state.block_tables,
+                      sampling=state.sampling)
+    return (token, caches, state, hidden) if with_hidden else (token, caches, state)
 
 
-def logits_step(params, caches, num_accepted, inputs: dict, *, cfg: ModelConfig, ecfg: EngineConfig, mode: str,
-                kernels: str):
-    """Like `step` but returns the float32 logits [R, T, V] of every position (for scoring)."""
-    batch = make_batch(inputs, num_accepted, ecfg)
+def logits_chunk(params, caches, state: LoopState, tokens, start_pos, num_valid, slot, *, cfg: ModelConfig,
+                 ecfg: EngineConfig, mode: str, kernels: str):
+    """Float32 logits [1, T, V] of every position of one chunk (for scoring); num_emitted[slot] <- 1."""
+    batch = make_batch(tokens, start_pos, num_valid, state.block_tables[slot], slot, state.num_emitted, ecfg)
     logits, _, caches = forward(params, cfg, caches, batch, mode=mode, kernels=kernels, last_only=False)
-    return logits, caches, num_accepted.at[inputs["seq_slot"]].set(1)
+    return logits, caches, LoopState(state.last_token, state.position, state.num_emitted.at[slot].set(1),
+                                     state.block_tables, state.sampling)
 
 
 def memory_plan(model, ecfg: EngineConfig) -> dict[str, int]:
@@ -117,21 +118,34 @@ def memory_plan(model, ecfg: EngineConfig) -> dict[str, int]:
 
 
 @functools.cache
-def step_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str):
-    """The jitted step for one (model config, engine config, kernels); shared by every Engine with
-    these settings so re-creating an engine never retraces. Caches and num_accepted are donated."""
-    return jax.jit(functools.partial(step, cfg=cfg, ecfg=ecfg, kernels=kernels),
-                   static_argnames=("mode", "last_only", "with_hidden"), donate_argnums=(1, 2))
+def prefill_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str, with_hidden: bool = False):
+    """The jitted prefill chunk; shared by every Engine with these settings so re-creating an engine
+    never retraces. Caches and loop state are donated."""
+    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, ecfg=ecfg, kernels=kernels, with_hidden=with_hidden),
+                   donate_argnums=(1, 2))
 
 
 @functools.cache
 def logits_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str):
-    return jax.jit(functools.partial(logits_step, cfg=cfg, ecfg=ecfg, kernels=kernels),
+    return jax.jit(functools.partial(logits_chunk, cfg=cfg, ecfg=ecfg, kernels=kernels),
                    static_argnames=("mode",), donate_argnums=(1, 2))
 
 
+@functools.lru_cache(maxsize=1024)
+def _device_int32(values: tuple) -> jax.Array:
+    """A cached device copy of a small int32 vector (row slots, chunk metadata): the same rows step
+    after step cost no host-to-device transfer."""
+    return jax.device_put(np.asarray(values, np.int32))
+
+
+def _chunk_meta(start: int, num_valid: int, slot: int) -> tuple:
+    """(start_pos [1], num_valid [1], slot [1]) device arrays of one chunk."""
+    return _device_int32((start,)), _device_int32((num_valid,)), _device_int32((slot,))
+
+
 class Engine:
-    """Caches + slots + compiled steps for one model and one EngineConfig."""
+    """Caches + loop state + slots + pages + prefill / scoring executables for one model and one
+    EngineConfig. The one owner of KV page reservation: every caller goes through `reserve`."""
 
     def __init__(self, model, ecfg: EngineConfig, *, memory_budget: int | None = None):
         self.model, self.cfg, self.ecfg = model, model.config, ecfg
@@ -142,13 +156,12 @@ class Engine:
         budget = memory_budget if memory_budget is not None else cache.device_memory_bytes()
         cache.check_budget(self.memory_plan, budget)  # refuse before allocating anything
         self.caches = cache.allocate(self.cfg, ecfg, model.dtype)
-        self.num_accepted = jax.device_put(np.ones((ecfg.max_num_seqs + 1,), np.int32))
+        self.state = init_loop_state(ecfg)
         self.pages = cache.PageAllocator(ecfg.total_pages)
-        self.block_tables = np.zeros((ecfg.max_num_seqs + 1, ecfg.pages_per_seq), np.int32)
+        self.block_tables = np.zeros((ecfg.max_num_seqs + 1, ecfg.pages_per_seq), np.int32)  # host mirror
+        self._tables_dirty = False
         self.slot_pages: dict[int, list[int]] = {}
         self.free_slots = list(range(ecfg.max_num_seqs, 0, -1))
-        self._step = step_executable(self.cfg, ecfg, self.kernels)
-        self._logits_step = logits_executable(self.cfg, ecfg, self.kernels)
 
     # ---- slots and pages -----------------------------------------------------------------------
     def acquire_slot(self, slot: int | None = None) -> int:
@@ -163,89 +176,94 @@ class Engine:
         return slot
 
     def release_slot(self, slot: int) -> None:
+        """Free the slot and its pages. A round already enqueued may still write them: the device
+        runs it before anything enqueued later, so the next owner's writes come after."""
         self.pages.free(self.slot_pages.pop(slot))
         self.block_tables[slot] = 0
+        self._tables_dirty = True
         self.free_slots.append(slot)
 
-    def ensure_pages(self, slot: int, num_tokens: int) -> None:
-        """Make sure positions [0, num_tokens) of the slot have KV pages."""
+    def reserve(self, slot: int, num_tokens: int) -> None:
+        """Make sure positions [0, min(num_tokens, the block table)) of the slot have KV pages.
+        Positions past max_model_len are never written (rounds mask them), so they need none."""
         have = self.slot_pages[slot]
-        need = -(-num_tokens // self.ecfg.page_size)
-        if need > self.ecfg.pages_per_seq:
-            raise ValueError(f"{num_tokens=} exceeds the block table ({self.ecfg.pages_per_seq} pages)")
+        need = min(-(-num_tokens // self.ecfg.page_size), self.ecfg.pages_per_seq)
         if need > len(have):
             new = self.pages.allocate(need - len(have))
             self.block_tables[slot, len(have):need] = new
             have.extend(new)
+            self._tables_dirty = True
 
-    # ---- steps ---------------------------------------------------------------------------------
-    def build_inputs(self, rows: list[Row], R: int, T: int) -> StepInputs:
-        """Pad rows to the (R, T) bucket; padding rows are inert (slot 0, no valid tokens)."""
-        tokens = np.zeros((R, T), np.int32)
-        start = np.zeros((R,), np.int32)
-        valid = np.zeros((R,), np.int32)
-        slots = np.zeros((R,), np.int32)
-        tables = np.zeros((R, self.ecfg.pages_per_seq), np.int32)
-        for i, row in enumerate(rows):
-            tokens[i, :len(row.tokens)] = row.tokens
-            start[i], valid[i], slots[i] = row.start_pos, len(row.tokens), row.slot
-            tables[i] = self.block_tables[row.slot]
-        batch = dict(tokens=tokens, start_pos=start, num_valid=valid, block_tables=tables, seq_slot=slots)
-        return StepInputs(batch=jax.device_put(batch), sampling=row_sampling(rows, R))  # transfers only
+    def sync_tables(self) -> None:
+        """Send the block tables to the loop state if pages changed since the last call (one
+        [S+1, P] int32 transfer; most rounds send nothing because pages are reserved ahead)."""
+        if self._tables_dirty:
+            tables = jax.device_put(self.block_tables)
+            s = self.state
+            self.state = LoopState(s.last_token, s.position, s.num_emitted, tables, s.sampling)
+            self._tables_dirty = False
 
-    def run(self, rows: list[Row], *, T: int, mode: str, last_only: bool, with_hidden: bool = False):
-        """Run one step over rows (each with <= T tokens) and return sampled tokens on the host
-        (and, with_hidden, the final hidden states [R, T, H], left on device)."""
-        for row in rows:
-            self.ensure_pages(row.slot, row.start_pos + len(row.tokens))
-        R = self.ecfg.request_bucket(len(rows))
-        inputs = self.build_inputs(rows, R, T)
-        tokens, self.caches, self.num_accepted, *hidden = self._step(
-            self.model.params, self.caches, self.num_accepted, inputs.batch, inputs.sampling,
-            mode=mode, last_only=last_only, with_hidden=with_hidden)
-        tokens = np.asarray(tokens)[:len(rows)]
-        return (tokens, hidden[0]) if with_hidden else tokens
+    # ---- requests ------------------------------------------------------------------------------
+    def set_sampling(self, slot: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, request_id=0) -> None:
+        """Record an admitted request's sampling settings in its slot (a transfer of 5 scalars)."""
+        host = dict(temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
+                    seed=np.uint32(seed), request_id=np.int32(request_id))
+        self.state = set_slot(self.state, _device_int32((slot,)), jax.device_put(host))
 
-    def prefill(self, row: Row, on_hidden=None) -> int:
-        """Prefill one request's prompt in fixed chunks; returns the first sampled token.
+    def prefill(self, slot: int, prompt: list[int], on_hidden=None) -> jax.Array:
+        """Prefill a prompt into the slot in fixed chunks (the slot's sampling settings set first).
+        Returns the first sampled token as a device array [1]; the loop state holds it as the
+        slot's next input, so the first round can be enqueued without reading it.
 
         on_hidden(start, hidden [1, C, H], next_tokens): called after each chunk with the chunk's
         final hidden states (on device) and the token after each of its positions (the prompt's
         next token; the first sampled token after the last one), as the MTP drafter consumes them."""
         C = self.ecfg.prefill_chunk
-        prompt, pos, token = row.tokens, row.start_pos, None
+        self.reserve(slot, len(prompt))
+        self.sync_tables()
+        run = prefill_executable(self.cfg, self.ecfg, self.kernels, on_hidden is not None)
+        pos, token = 0, None
         while pos < len(prompt):
-            chunk = Row(**{**row.__dict__, "tokens": prompt[pos:pos + C], "start_pos": pos})
-            if on_hidden is None:
-                token = int(self.run([chunk], T=C, mode="prefill", last_only=True)[0, 0])
-            else:
-                tokens, hidden = self.run([chunk], T=C, mode="prefill", last_only=True, with_hidden=True)
-                token = int(tokens[0, 0])
-                nxt = list(prompt[pos + 1:pos + 1 + len(chunk.tokens)])
-                on_hidden(pos, hidden, nxt + [token] * (len(chunk.tokens) - len(nxt)))
-            pos += len(chunk.tokens)
+            chunk = prompt[pos:pos + C]
+            tokens = np.zeros((1, C), np.int32)
+            tokens[0, :len(chunk)] = chunk
+            token, self.caches, self.state, *hidden = run(self.model.params, self.caches, self.state,
+                                                          jax.device_put(tokens), *_chunk_meta(pos, len(chunk), slot))
+            if on_hidden is not None:
+                nxt = list(prompt[pos + 1:pos + 1 + len(chunk)])
+                if len(nxt) < len(chunk):  # the last position's next token is the sampled one
+                    nxt.append(int(token[0]))
+                on_hidden(pos, hidden[0], nxt)
+            pos += len(chunk)
         return token
 
-    def decode(self, rows: list[Row]) -> np.ndarray:
-        """One plain decode step (T = 1) for every row; returns tokens [len(rows)]."""
-        return self.run(rows, T=1, mode="verify", last_only=False)[:, 0]
+    def logits(self, slot: int, tokens: list[int], start_pos: int, *, chunk: int | None = None) -> np.ndarray:
+        """Float32 logits [len(tokens), V] of tokens fed to the slot from start_pos, in chunks of
+        `chunk` (default the prefill chunk; 1 = the one-token verify path)."""
+        C = chunk or self.ecfg.prefill_chunk
+        mode = "verify" if C == 1 else "prefill"
+        run = logits_executable(self.cfg, self.ecfg, self.kernels)
+        self.reserve(slot, start_pos + len(tokens))
+        self.sync_tables()
+        out, pos = [], 0
+        while pos < len(tokens):
+            part = tokens[pos:pos + C]
+            ids = np.zeros((1, C), np.int32)
+            ids[0, :len(part)] = part
+            logits, self.caches, self.state = run(self.model.params, self.caches, self.state, jax.device_put(ids),
+                                                  *_chunk_meta(start_pos + pos, len(part), slot), mode=mode)
+            out.append(np.asarray(logits)[0, :len(part)])
+            pos += len(part)
+        return np.concatenate(out, axis=0)
 
     def score(self, tokens: list[int], *, incremental: bool = False) -> np.ndarray:
         """Float32 logits [len(tokens), V] of a token sequence: by chunked prefill, or (incremental)
         by prefilling the first token and decoding the rest one at a time."""
         slot = self.acquire_slot()
         try:
-            out, pos = [], 0
-            while pos < len(tokens):
-                T = 1 if incremental and pos > 0 else self.ecfg.prefill_chunk
-                mode = "verify" if T == 1 else "prefill"
-                chunk = tokens[pos:pos + T]
-                self.ensure_pages(slot, pos + len(chunk))
-                inputs = self.build_inputs([Row(slot=slot, tokens=chunk, start_pos=pos, request_id=0)], 1, T)
-                logits, self.caches, self.num_accepted = self._logits_step(
-                    self.model.params, self.caches, self.num_accepted, inputs.batch, mode=mode)
-                out.append(np.asarray(logits)[0, :len(chunk)])
-                pos += len(chunk)
-            return np.concatenate(out, axis=0)
+            if not incremental:
+                return self.logits(slot, tokens, 0)
+            return np.concatenate([self.logits(slot, tokens[:1], 0), self.logits(slot, tokens[1:], 1, chunk=1)]) \
+                if len(tokens) > 1 else self.logits(slot, tokens, 0)
         finally:
             self.release_slot(slot)

@@ -1,5 +1,6 @@
-"""`jaxspec.generate`: tokenize, admit requests into engine slots (continuous batching: requests join
-and leave between rounds), chunked prefill, decode (or speculative) rounds, stop handling, stats."""
+"""`jaxspec.generate`: validate and tokenize the prompts, run them through the generation loop
+(jaxspec/loop.py: continuous batching, plain or speculative rounds, stops), return or stream the
+tokens with their statistics."""
 
 from __future__ import annotations
 
@@ -7,53 +8,13 @@ import contextlib
 import inspect
 import numbers
 import time
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import jax
 
-from jaxspec import sampling
-from jaxspec.engine import Row
+from jaxspec import loop, sampling
+from jaxspec.loop import Request
 from jaxspec.tokenizer import is_conversation
-
-
-@dataclass
-class Request:
-    index: int  # position in the generate call; keys the request's random numbers
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    generated: list[int] = field(default_factory=list)
-    slot: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def num_cached(self) -> int:
-        """Tokens whose KV / state is in the cache: the prompt plus all generated but the last."""
-        return len(self.prompt) + max(len(self.generated) - 1, 0)
-
-    def row(self, tokens: list[int], start_pos: int) -> Row:
-        return Row(slot=self.slot, tokens=tokens, start_pos=start_pos, request_id=self.index,
-                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
-
-    def accept(self, tokens: list[int]) -> list[int]:
-        """Append emitted tokens up to a stop; returns the ones kept."""
-        kept = []
-        for t in tokens:
-            kept.append(int(t))
-            self.generated.append(int(t))
-            if int(t) in self.stop_ids:
-                self.finish_reason = "stop"
-            elif len(self.generated) >= self.max_new_tokens:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                break
-        return kept
 
 
 @dataclass
@@ -162,73 +123,8 @@ def _stop_ids(stop_token_ids) -> frozenset[int]:
     return frozenset(int(t) for t in ids)
 
 
-def _plain_events(engine, requests: list[Request], stats: GenerateStats) -> Iterator[tuple[int, list[int]]]:
-    """Continuous batching without speculation; yields (request index, new token ids)."""
-    pending, active = deque(requests), []
-    with release_on_exit(engine, active):
-        while pending or active:
-            retire_finished(engine, active)  # first, so a slot freed last step is reused at once
-            while pending and engine.free_slots:
-                req = pending.popleft()
-                admit(engine, req, active, stats)
-                yield req.index, req.generated[:]
-                retire_finished(engine, active)  # a request may end on its first token
-            if not active:
-                check_slots_available(engine, pending)
-                continue
-            rows = [r.row([r.generated[-1]], r.num_cached) for r in active]
-            tokens = engine.decode(rows)
-            stats.steps += 1
-            for req, t in zip(active, tokens, strict=False):
-                yield req.index, req.accept([int(t)])
-
-
-def admit(engine, req: Request, active: list[Request], stats: GenerateStats, on_hidden=None) -> None:
-    """Give the request a slot, prefill its prompt and keep the first sampled token (on_hidden: see
-    Engine.prefill; the MTP drafter consumes the prompt's hidden states through it)."""
-    req.slot = engine.acquire_slot()
-    active.append(req)
-    first = engine.prefill(req.row(req.prompt, 0), on_hidden(req) if on_hidden else None)
-    stats.prefill_steps += -(-len(req.prompt) // engine.ecfg.prefill_chunk)
-    req.accept([first])
-
-
-def check_slots_available(engine, pending) -> None:
-    """Refuse (rather than wait forever) when requests wait but every slot is held elsewhere."""
-    if pending and not engine.free_slots:
-        raise RuntimeError(f"all {engine.ecfg.max_num_seqs} request slots are held outside this generation "
-                           f"(an unfinished stream?); close that stream or let it finish first")
-
-
-def retire_finished(engine, active: list[Request], session=None) -> None:
-    for req in [r for r in active if r.finish_reason]:
-        active.remove(req)
-        _release(engine, req, session)
-
-
-def _release(engine, req: Request, session) -> None:
-    if session is not None:
-        session.release(req)
-    engine.release_slot(req.slot)
-
-
-@contextlib.contextmanager
-def release_on_exit(engine, active: list[Request], session=None):
-    """Free every slot still held when generation ends early (error, abandoned stream)."""
-    try:
-        yield
-    finally:
-        for req in active:
-            _release(engine, req, session)
-        active.clear()
-
-
 def _events(model, requests, speculative, stats):
-    if speculative is None:
-        return _plain_events(model.engine(0), requests, stats)
-    from jaxspec.speculative.step import speculative_events
-
-    return speculative_events(model, requests, speculative, stats)
+    return loop.run(model, requests, speculative, stats)
 
 
 def _step_events(model, requests, speculative, stats, eager: bool):

@@ -44,6 +44,8 @@ class Model:
     max_num_speculative_tokens: int = 0  # sizes GDN state slots; 0 = sized by each call's k
     k_mode: str = "per_k"  # "per_k": one round executable per k; "pad_to_max": pad drafts to the max k
     memory_budget: int | None = None  # bytes for weights + caches; None = what the device reports
+    rounds_per_dispatch: int = 1  # S: decode steps / speculative rounds per executable call
+    dispatch_ahead: int = 1  # dispatches enqueued before the oldest one's tokens are read (0 = synchronous)
     hf_config: dict = field(default_factory=dict)
     _engines: dict = field(default_factory=dict, repr=False)
     _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)  # open streams
@@ -146,7 +148,8 @@ K_MODES = ("per_k", "pad_to_max")
 
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
-         k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None) -> Model:
+         k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
+         rounds_per_dispatch: int = 1, dispatch_ahead: int = 1) -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
@@ -155,6 +158,10 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     per k, "pad_to_max" verifies every k with the max-k executable and masked draft tails.
     cache_dir: the persistent XLA compilation cache ("default" = $JAXSPEC_CACHE_DIR or the user
     cache dir; None = off). It is process-wide and enabled before anything is compiled.
+    rounds_per_dispatch: S, the decode steps (or speculative rounds) run by one executable call and
+    read back together; a request that stops inside them wastes at most S - 1 rounds of compute.
+    dispatch_ahead: calls enqueued before the oldest one's tokens are read (1 hides the host's
+    bookkeeping behind the GPU; 0 waits for every call, the synchronous reference).
     memory_budget: bytes the weights plus the caches may use (None = the device's limit, where it
     reports one); an engine that would exceed it is refused before its caches are allocated, with
     cache.MemoryBudgetError naming the largest component. The plain-decoding engine is checked here.
@@ -166,6 +173,9 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
         raise ValueError(f"max_num_speculative_tokens={max_num_speculative_tokens!r} must be an integer >= 0")
     if k_mode == "pad_to_max" and max_num_speculative_tokens < 1:
         raise ValueError("k_mode='pad_to_max' needs max_num_speculative_tokens >= 1 (the k it pads to)")
+    for name, value, low in (("rounds_per_dispatch", rounds_per_dispatch, 1), ("dispatch_ahead", dispatch_ahead, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive integer (bytes) or None")
     name = str(path_or_name)
@@ -188,7 +198,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     model = Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,
                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                   page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
-                  k_mode=k_mode, memory_budget=memory_budget)
+                  k_mode=k_mode, memory_budget=memory_budget, rounds_per_dispatch=rounds_per_dispatch,
+                  dispatch_ahead=dispatch_ahead)
     if memory_budget is not None:
         check_memory(model, model.engine_config(max_num_speculative_tokens))  # refuse now, not at generate
     return model

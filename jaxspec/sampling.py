@@ -143,14 +143,12 @@ def warp_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     scaled = logits / temperature[:, None, None]  # [R, T, V]
     probs = jax.nn.softmax(scaled, axis=-1)  # [R, T, V]
 
-    # Filtering needs a per-row sort; skip it for batches where no row asks for top-k/top-p. Both
-    # branches return only a keep-mask, so a row's probabilities never depend on its batch-mates.
-    filtering = jnp.any((params.top_k > 0) | (params.top_p < 1))
-    keep = jax.lax.cond(
-        filtering,
-        lambda: _top_k_top_p_keep(scaled, probs, params.top_k, params.top_p),
-        lambda: jnp.ones(logits.shape, bool),
-    )  # [R, T, V]
+    # Branch-free: the top-k / top-p keep-mask is computed for every row (rows with both filters off
+    # keep everything), so the executable has no data-dependent conditional for XLA to resolve on
+    # the host. All-greedy batches never get here: their executables are compiled with
+    # greedy=True (`sample`, verify.rejection_sample) and take the argmax alone.
+    filtering = (params.top_k > 0) | (params.top_p < 1)  # [R]
+    keep = _top_k_top_p_keep(scaled, probs, params.top_k, params.top_p) | ~filtering[:, None, None]  # [R, T, V]
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
 
@@ -191,13 +189,16 @@ def categorical(key: jax.Array, probs: jax.Array) -> jax.Array:
     return jnp.argmax(jnp.log(probs) + gumbel).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *, greedy: bool = False) -> jax.Array:
     """Sample one token per (row, position).
 
     logits: [R, T, V] float; positions: [R, T] i32 absolute positions of the tokens being sampled.
     Returns tokens [R, T] int32: the first argmax for greedy rows, otherwise a draw from
     `warp_probs` with key token_key(seed, request_id, position, STREAM_SAMPLE).
+    greedy (static): every row is greedy; only the argmax is computed.
     """
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = warp_probs(logits, params)  # [R, T, V]
     keys = token_key(params.seed[:, None], params.request_id[:, None], positions)  # [R, T]
     flat = jax.vmap(categorical)(keys.ravel(), probs.reshape(-1, probs.shape[-1]))  # [R*T]

@@ -80,7 +80,8 @@ def test_pad_to_max_table_has_one_verify_per_bucket():
                          max_num_speculative_tokens=4, k_mode="pad_to_max")
     table = jc.bucket_table(model, k_values=(1, 2, 4), methods=("ngram",))
     verifies = [b for b in table if b.name.startswith("verify")]
-    assert sorted((b.num_reqs, b.query_len) for b in verifies) == [(1, 5), (2, 5)]
+    assert sorted((b.num_reqs, b.query_len, b.sampling) for b in verifies) == [
+        (1, 5, "greedy"), (1, 5, "sample"), (2, 5, "greedy"), (2, 5, "sample")]
 
 
 def test_first_precompile_compiles_second_is_served_from_cache(precompiled):

@@ -1,13 +1,15 @@
 """Drafters. Each is a frozen (hashable, jit-static) dataclass with two traced methods used inside
 the round executable, plus host hooks for admitting and releasing requests:
 
-    propose(dparams, dstate, rnd, num_accepted) -> (drafts [R, k] int32, draft_probs [R, k, V] | None, dstate)
+    propose(dparams, dstate, rnd, num_emitted) -> (drafts [R, k] int32, draft_probs [R, k, V] | None, dstate)
     commit(dparams, dstate, rnd, emitted [R, 1+k], num_emitted [R], hidden [R, 1+k, H]) -> dstate
 
 `rnd` is the RoundInputs of the round; per-slot device state is indexed by `rnd.seq_slot` (0 is the
-null slot that padding rows use); `hidden` is the target's final hidden state at each verified
-position (dead code for drafters that ignore it). The MTP drafter (spec/mtp.py) drafts in commit
-from those hidden states; tap-conditioned drafters would too.
+null slot that padding rows use); propose's num_emitted [S+1] is the target's per-slot count of
+tokens the previous round emitted; `hidden` is the target's final hidden state at each verified
+position (dead code for drafters that ignore it). The MTP drafter (speculative/mtp.py) drafts in
+commit from those hidden states; tap-conditioned drafters would too. Plain decoding is the round
+of `NoDrafter` (k = 0).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jaxspec.models.model import StepBatch, forward
 @jax.tree_util.register_dataclass
 @dataclass
 class RoundInputs:
-    """Per-row inputs of one speculative round (all arrays, padded to the request bucket R)."""
+    """Per-row inputs of one round, gathered on device from the loop state (speculative/round.py)."""
 
     last_token: jax.Array  # [R] int32, the committed token not yet in the cache (x0)
     start_pos: jax.Array  # [R] int32, tokens in the cache (x0's position)
@@ -36,7 +38,7 @@ class RoundInputs:
     seq_slot: jax.Array  # [R] int32, 0 = padding row
     request_id: jax.Array  # [R] int32
     num_drafts: jax.Array  # [R] int32, drafts verified this round (<= k; a shorter k is a masked tail)
-    aux_block_tables: jax.Array  # [R, Pd] int32 (draft-model pages; [R, 1] zeros otherwise)
+    aux_block_tables: jax.Array  # [R, Pa] int32: the draft model's pages (draft_model), else the target's
 
 
 def _set_rows(buf, slots, rows):
@@ -60,6 +62,23 @@ def admit_values(dstate: dict, slot: int, values: dict) -> dict:
 def zeros_state(shapes: dict) -> dict:
     """Zero device state from {name: shape} (a host allocation and a transfer, no compile)."""
     return jax.device_put({name: np.zeros(shape, np.int32) for name, shape in shapes.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# no drafter: plain decoding
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NoDrafter:
+    """Plain decoding as a round with k = 0 drafts: the verify is the one-token decode step."""
+
+    k: int = 0
+
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_emitted):
+        return jnp.zeros((rnd.seq_slot.shape[0], 0), jnp.int32), None, dstate
+
+    def commit(self, dparams, dstate, rnd: RoundInputs, emitted, num_emitted, hidden):
+        return dstate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +121,7 @@ class NgramDrafter:
         last = h[jnp.maximum(L - 1, 0)]
         return jnp.where((best >= 0) & (idx < L), h[jnp.clip(idx, 0, self.history_len - 1)], last)
 
-    def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_emitted):
         h = dstate["history"][rnd.seq_slot]  # [R, L]
         L = dstate["length"][rnd.seq_slot]  # [R]
         return jax.vmap(self._propose_row)(h, L).astype(jnp.int32), None, dstate
@@ -142,7 +161,7 @@ class ReplayDrafter:
         row[:min(len(reference), self.ref_len)] = reference[:self.ref_len]
         return admit_values(dstate, slot, {"ref": row, "length": len(reference), "generated": generated})
 
-    def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_emitted):
         ref = dstate["ref"][rnd.seq_slot]  # [R, L]
         g = dstate["generated"][rnd.seq_slot][:, None] + jnp.arange(self.k)[None, :]  # [R, k] indices
         drafts = jnp.take_along_axis(ref, jnp.clip(g, 0, self.ref_len - 1), axis=1)
@@ -170,7 +189,7 @@ class DraftModelDrafter:
 
     The draft engine has 1+k GDN state slots and one conv window per slot for each request: step t
     reads the state after the previous token (step 0: the slot of the last accepted token, chosen
-    by num_accepted) and writes the state after its token to slot base + t. A (k+1)-th step feeds
+    by num_emitted) and writes the state after its token to slot base + t. A (k+1)-th step feeds
     d_k so that after a fully accepted round slot base + k is ready; so rollback after the verify is
     only the next round's choice of slot, exactly as for the target."""
 
@@ -179,9 +198,9 @@ class DraftModelDrafter:
     ecfg: EngineConfig
     kernels: str
 
-    def propose(self, dparams, dstate, rnd: RoundInputs, num_accepted):
+    def propose(self, dparams, dstate, rnd: RoundInputs, num_emitted):
         params, caches = dparams, dstate["caches"]
-        na = num_accepted[rnd.seq_slot]
+        na = num_emitted[rnd.seq_slot]
         live = rnd.seq_slot > 0
         idx = state_indices(rnd.seq_slot, na, self.ecfg.state_slots_per_seq, True)
         base = idx["state_write"]

@@ -111,7 +111,7 @@ class MtpDrafter:
         lg = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]  # [R, V]
         return self._chain(dparams, kv, h, lg, start + n, live & (n > 0), tables)
 
-    def propose(self, dparams, dstate, rnd, num_accepted):
+    def propose(self, dparams, dstate, rnd, num_emitted):
         return dstate["drafts"][rnd.seq_slot], None, dstate
 
     def commit(self, dparams, dstate, rnd, emitted, num_emitted, hidden):

@@ -11,17 +11,26 @@ import numpy as np
 
 from jaxspec.config import EngineConfig
 from jaxspec.speculative import mtp
-from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, ReplayDrafter
+from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
 
 
 @dataclass
 class Session:
-    drafter: object  # frozen dataclass: NgramDrafter | ReplayDrafter | DraftModelDrafter | MtpDrafter
+    """A drafter in one generate call: its static description (a jit key), device params and
+    state, and the host hooks the loop calls (admit, release, reserve, aux_tables, sync)."""
+
+    drafter: object  # frozen dataclass: NoDrafter | NgramDrafter | ReplayDrafter | DraftModelDrafter | MtpDrafter
     dparams: object = None
     dstate: object = None
     draft_engine: object = None
     replay: tuple = ()
     extra: dict = field(default_factory=dict)
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past a round's verify span that the drafter writes in the target's KV pages
+        (the MTP head's recursive rows reach k - 1 past them)."""
+        return self.drafter.k if isinstance(self.drafter, mtp.MtpDrafter) else 0
 
     @property
     def prefill_hook(self):
@@ -40,7 +49,7 @@ class Session:
             tokens = np.zeros((1, C), np.int32)
             tokens[0, :len(next_tokens)] = next_tokens
             # MTP rows write positions start + 1 .. start + n, its recursive drafts up to k - 1 more
-            target.ensure_pages(req.slot, min(start + len(next_tokens) + self.drafter.k, target.ecfg.max_model_len))
+            target.reserve(req.slot, start + len(next_tokens) + self.drafter.k)
             host = dict(next_tokens=tokens, start=np.full((1,), start, np.int32),
                         n=np.full((1,), len(next_tokens), np.int32), tables=target.block_tables[req.slot][None],
                         slot=np.full((1,), req.slot, np.int32))
@@ -49,8 +58,8 @@ class Session:
 
     def admit(self, req) -> None:
         """Called after the target prefilled req (req.generated holds its first token)."""
-        if isinstance(self.drafter, mtp.MtpDrafter):
-            return  # drafted during the prefill (prefill_hook)
+        if isinstance(self.drafter, (NoDrafter, mtp.MtpDrafter)):
+            return  # nothing to draft from / drafted during the prefill (prefill_hook)
         if isinstance(self.drafter, NgramDrafter):
             self.dstate = self.drafter.admit(self.dstate, req.slot, req.prompt + req.generated)
         elif isinstance(self.drafter, ReplayDrafter):
@@ -58,31 +67,25 @@ class Session:
         else:
             eng = self.draft_engine
             eng.acquire_slot(req.slot)
-            eng.prefill(req.row(req.prompt, 0))
+            eng.prefill(req.slot, req.prompt)
             self.dstate = {"caches": eng.caches}
 
     def release(self, req) -> None:
         if self.draft_engine is not None and req.slot in self.draft_engine.slot_pages:
             self.draft_engine.release_slot(req.slot)
 
-    def aux_block_tables(self, active, R: int, k: int) -> np.ndarray:
-        """The draft model's block tables for the round's rows; for MTP, the target's tables with pages
-        up to 2k positions past the cache (its recursive steps); [R, 1] zeros for the others."""
-        if isinstance(self.drafter, mtp.MtpDrafter):
-            target = self.extra["target_engine"]
-            tables = np.zeros((R, target.ecfg.pages_per_seq), np.int32)
-            for i, req in enumerate(active):
-                target.ensure_pages(req.slot, min(req.num_cached + 1 + 2 * k, target.ecfg.max_model_len))
-                tables[i] = target.block_tables[req.slot]
-            return tables
+    def reserve(self, req, num_tokens: int) -> None:
+        """Pages for positions [0, num_tokens) in the draft model's own cache, if it has one."""
+        if self.draft_engine is not None:
+            self.draft_engine.reserve(req.slot, num_tokens)
+
+    def aux_tables(self):
+        """[S+1, Pa] device block tables the drafter writes (the draft model's), or None: the
+        round then hands the drafter the target's tables (MTP; unused by ngram and replay)."""
         if self.draft_engine is None:
-            return np.zeros((R, 1), np.int32)
-        eng = self.draft_engine
-        tables = np.zeros((R, eng.ecfg.pages_per_seq), np.int32)
-        for i, req in enumerate(active):
-            eng.ensure_pages(req.slot, req.num_cached + 1 + k)
-            tables[i] = eng.block_tables[req.slot]
-        return tables
+            return None
+        self.draft_engine.sync_tables()
+        return self.draft_engine.state.block_tables
 
     def sync(self) -> None:
         """Hand the draft caches back to the draft engine after a round donated them."""
@@ -100,7 +103,10 @@ def draft_engine_config(target_ecfg: EngineConfig, draft, k: int) -> EngineConfi
 
 
 def make_drafter(method: str, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):
-    """The static (jit-keying) drafter proposing k tokens for a target engine configured by ecfg."""
+    """The static (jit-keying) drafter proposing k tokens for a target engine configured by ecfg
+    (method None: plain decoding)."""
+    if method is None:
+        return NoDrafter()
     if method == "ngram":
         return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1],
                             history_len=ecfg.max_model_len + k + 1)
@@ -116,8 +122,10 @@ def make_drafter(method: str, model, ecfg: EngineConfig, k: int, *, prompt_looku
 
 
 def make_session(model, engine, spec, requests, k: int) -> Session:
-    """The drafter session for a generate call; drafters propose k tokens (spec's k, or k_max when
-    the model pads every k to its maximum)."""
+    """The drafter session for a generate call (spec None: plain decoding); drafters propose k
+    tokens (spec's k, or k_max when the model pads every k to its maximum)."""
+    if spec is None:
+        return Session(NoDrafter())
     num_slots = engine.ecfg.max_num_seqs + 1
     drafter = make_drafter(spec.method, model, engine.ecfg, k, draft_model=spec.draft_model,
                            prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max))

@@ -43,6 +43,8 @@ def rejection_sample(
     params: SamplingParams,
     positions: jax.Array,
     num_drafts: jax.Array,
+    *,
+    greedy: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Accept a prefix of the drafts and emit one correction or bonus token per request.
 
@@ -53,15 +55,21 @@ def rejection_sample(
     params:        SamplingParams with [R] fields.
     positions:     [R, 1+k] int32, absolute position of the token that target_logits[:, i] predicts.
     num_drafts:    [R] int32 in 0..k; drafts at i >= num_drafts[r] are padding and never accepted.
+    greedy:        static; True when every row is greedy (temperature 0): the result is then
+                   computed from argmax alone, with no softmax, sort or random numbers.
     Returns tokens [R, 1+k] int32 (tokens[r, :num_emitted[r]] = accepted drafts then the
     correction/bonus, the rest 0) and num_emitted [R] int32 in 1..1+num_drafts[r].
     """
     num_rows, k = draft_tokens.shape
     vocab = target_logits.shape[-1]
-    probs = warp_probs(target_logits, params)  # [R, 1+k, V]
     target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [R, 1+k]
-    greedy = params.temperature <= 0  # [R]
     drafts = jnp.clip(draft_tokens, 0, vocab - 1).astype(jnp.int32)  # [R, k]; padding is masked
+    if greedy:
+        accept = (drafts == target_argmax[:, :k]) & (jnp.arange(k) < num_drafts[:, None])
+        j = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)  # [R] accepted drafts
+        return _emit(drafts, j, jnp.take_along_axis(target_argmax, j[:, None], axis=1)[:, 0]), j + 1
+    probs = warp_probs(target_logits, params)  # [R, 1+k, V]
+    greedy = params.temperature <= 0  # [R]
 
     # Accept test for every draft position at once.
     p_x = _at(probs[:, :k], drafts)  # [R, k] p_i(x_i)
@@ -88,11 +96,17 @@ def rejection_sample(
     argmax_j = jnp.take_along_axis(target_argmax, j[:, None], axis=1)[:, 0]  # [R]
     last = jnp.where(greedy, argmax_j, drawn)  # [R]
 
-    # tokens[t] = draft t for t < j, the correction/bonus at t == j, 0 after.
+    return _emit(drafts, j, last), num_accepted + 1
+
+
+def _emit(drafts: jax.Array, j: jax.Array, last: jax.Array) -> jax.Array:
+    """tokens [R, 1+k]: draft t for t < j, the correction/bonus `last` at t == j, 0 after.
+    drafts [R, k] int32, j [R] accepted drafts, last [R] int32."""
+    num_rows, k = drafts.shape
     cols = jnp.arange(k + 1)[None, :]  # [1, 1+k]
     padded = jnp.concatenate([drafts, jnp.zeros((num_rows, 1), jnp.int32)], axis=1)  # [R, 1+k]
     tokens = jnp.where(cols < j[:, None], padded, jnp.where(cols == j[:, None], last[:, None], 0))
-    return tokens.astype(jnp.int32), num_accepted + 1
+    return tokens.astype(jnp.int32)
 
 
 def _at(dist: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""GDN rollback at the model level (DESIGN.md §5): after a round that emitted a tokens, the state
+"""GDN rollback at the model level (docs/architecture.md, "GDN rollback"): after a round that emitted a tokens, the state
 slot base + a - 1 of every GDN layer holds exactly the state after plain sequential decoding of the
 accepted tokens, and the conv window read at offset a - 1 is the plain-decode window. Checked
 against a second engine that decodes the same tokens one at a time, for every a in 1..k+1, for
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.engine import Engine, Row
+from jaxspec.engine import Engine
 from tests.speculative.conftest import DRAFT_NOISE, load, perturb
 
 K = 3
@@ -27,9 +27,10 @@ REL_RMS = 1e-5  # float32: the verify and decode paths differ only by rounding
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def hybrid(request, hf_checkpoint):
     """(model, checkpoint, family): a 2-slot hybrid model without EOS ids (the schedule, not an EOS,
-    decides the length)."""
+    decides the length), synchronous (dispatch_ahead 0), so that the caches seen when a round's
+    tokens arrive are those that round left."""
     path = hf_checkpoint(request.param)
-    model = load(path, max_num_seqs=2, max_num_speculative_tokens=K_MAX)
+    model = load(path, max_num_seqs=2, max_num_speculative_tokens=K_MAX, dispatch_ahead=0)
     model.config = model.config.replace(eos_token_ids=())
     return model, path, request.param
 
@@ -41,7 +42,7 @@ class PlainReplica:
         self.engine = Engine(model, model.engine_config(0))
         self.prompts = prompts
         self.slots = [self.engine.acquire_slot() for _ in prompts]
-        self.first = [self.engine.prefill(Row(slot, list(prompt), 0, request_id=0))
+        self.first = [int(np.argmax(self.engine.logits(slot, list(prompt), 0)[-1]))
                       for slot, prompt in zip(self.slots, prompts, strict=True)]
         self.fed = [0] * len(prompts)  # generated tokens decoded so far
 
@@ -49,8 +50,8 @@ class PlainReplica:
         """Decode tokens (request i's next generated tokens) and return the greedy predictions."""
         out = []
         for t in tokens:
-            row = Row(self.slots[i], [t], len(self.prompts[i]) + self.fed[i], request_id=0)
-            out.append(int(self.engine.decode([row])[0]))
+            logits = self.engine.logits(self.slots[i], [t], len(self.prompts[i]) + self.fed[i], chunk=1)
+            out.append(int(np.argmax(logits[0])))
             self.fed[i] += 1
         return out
 

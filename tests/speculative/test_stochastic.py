@@ -12,7 +12,9 @@ import pytest
 from scipy import stats
 
 import jaxspec
-from jaxspec.speculative import step, verify
+from jaxspec import loop
+from jaxspec.speculative import round as round_module
+from jaxspec.speculative import verify
 from tests.speculative.conftest import NEW_TOKENS, load
 
 VOCAB = 12
@@ -76,7 +78,7 @@ def _conditional_pvalue(pairs: np.ndarray, exact: dict[int, np.ndarray]) -> floa
     return float(stats.chi2.sf(statistic, dof))
 
 
-def _always_accept(target_logits, draft_tokens, draft_probs, params, positions, num_drafts):
+def _always_accept(target_logits, draft_tokens, draft_probs, params, positions, num_drafts, greedy=False):
     """Wrong: keeps every draft and adds the target argmax after them."""
     k = draft_tokens.shape[1]
     bonus = jnp.argmax(target_logits[:, k], axis=-1).astype(jnp.int32)
@@ -99,9 +101,9 @@ def test_first_round_token_follows_target_distribution(tiny, monkeypatch):
 
     # Deliberately wrong verifiers must fail the same test. The round is retraced for each
     # (round_executable's cache is bypassed), so the correct executable is never replaced.
-    monkeypatch.setattr(step, "round_executable", step.round_executable.__wrapped__)
+    monkeypatch.setattr(loop, "round_executable", round_module.round_executable.__wrapped__)
     with monkeypatch.context() as wrong:
-        wrong.setattr(step, "rejection_sample", _always_accept)
+        wrong.setattr(round_module, "rejection_sample", _always_accept)
         assert _conditional_pvalue(_first_two(tiny, ngram), exact) < 1e-12
     with monkeypatch.context() as wrong:  # the classic bug: resample from p, not max(p - q, 0)
         wrong.setattr(verify, "_residual", lambda p_j, *_: p_j)

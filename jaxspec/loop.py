@@ -1,0 +1,207 @@
+"""The one generation loop, for plain decoding and every drafter alike (docs/architecture.md, "Life
+of a request"): admit -> dispatch rounds -> read results one dispatch behind -> stop -> retire.
+
+The host stays out of the device's way. A dispatch runs `rounds_per_dispatch` rounds in one
+executable whose inputs come from the device-resident loop state, so it needs nothing from the
+host but the rows' slots (a cached device array). Up to `dispatch_ahead` dispatches are enqueued
+before the oldest one's tokens are read (they were copied to the host asynchronously meanwhile),
+so Python's bookkeeping, stop checks and streaming overlap the GPU. A request that stops inside a
+dispatch keeps running in the dispatches already enqueued; what it emits past its stop is
+discarded, and its pages were reserved ahead for exactly that. Admission (the prompt's prefill)
+reads the first token at once: it happens once per request, not once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxspec.engine import _device_int32
+from jaxspec.speculative.round import round_executable
+from jaxspec.speculative.session import make_session
+
+
+@dataclass
+class Request:
+    """The one host record of a request, from tokenization to its last token."""
+
+    index: int  # position in the generate call; keys the request's random numbers
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    generated: list[int] = field(default_factory=list)
+    slot: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose KV / state is in the cache: the prompt plus all generated but the last."""
+        return len(self.prompt) + max(len(self.generated) - 1, 0)
+
+    def extend(self, tokens) -> list[int]:
+        """Append emitted tokens up to the first stop (a stop id, or max_new_tokens reached);
+        returns the ones kept. Tokens after a stop are dropped: they never reach the user."""
+        kept = []
+        for t in tokens:
+            kept.append(int(t))
+            self.generated.append(int(t))
+            if int(t) in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.generated) >= self.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return kept
+
+
+@dataclass
+class Dispatch:
+    """One enqueued executable: the requests of its rows (row order) and its device outputs."""
+
+    requests: list[Request]
+    emitted: jax.Array  # [S, R, 1+k] int32
+    num_emitted: jax.Array  # [S, R] int32
+
+
+def run(model, requests: list[Request], spec, stats):
+    """Continuous batching over `requests`, plain (spec None) or speculative; yields (request index,
+    new token ids) in the order results are known. Closing the generator frees every slot."""
+    k = 0 if spec is None else spec.k
+    engine = model.engine(k)
+    # pad_to_max: every k runs the k_max executable; drafts beyond spec.k are a masked tail.
+    k_run = engine.ecfg.max_num_speculative_tokens if spec is not None and model.k_mode == "pad_to_max" else k
+    session = make_session(model, engine, spec, requests, k_run)
+    loop = Loop(model, engine, session, k_run, k, stats)
+    with loop.releasing():
+        yield from loop.events(requests)
+
+
+class Loop:
+    """State of one generate call's loop: waiting, running and in-flight work."""
+
+    def __init__(self, model, engine, session, k_run: int, k: int, stats):
+        self.model, self.engine, self.session, self.stats = model, engine, session, stats
+        self.k_run, self.k = k_run, k
+        self.steps = model.rounds_per_dispatch
+        self.ahead = model.dispatch_ahead
+        self.active: list[Request] = []  # admitted, slot held (finished ones until retired)
+        self.inflight: deque[Dispatch] = deque()
+        self._num_drafts = jax.device_put(np.int32(k))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def events(self, requests: list[Request]):
+        pending = deque(requests)
+        while pending or self.active or self.inflight:
+            self.retire()  # first, so a slot freed by the last results is reused at once
+            while pending and self.engine.free_slots:
+                req = pending.popleft()
+                yield req.index, self.admit(req)
+                self.retire()  # a request may end on its first token
+            running = [r for r in self.active if not r.finish_reason]
+            if running and len(self.inflight) <= self.ahead:
+                self.dispatch(running)
+                continue
+            if self.inflight:
+                yield from self.collect(self.inflight.popleft())
+            elif pending and not self.engine.free_slots:
+                raise RuntimeError(f"all {self.engine.ecfg.max_num_seqs} request slots are held outside this "
+                                   f"generation (an unfinished stream?); close that stream or let it finish first")
+
+    def admit(self, req: Request) -> list[int]:
+        """Slot, sampling settings, prompt prefill (its first token read back: once per request),
+        drafter admission. Returns the first token (or nothing, if it already stopped)."""
+        eng = self.engine
+        req.slot = eng.acquire_slot()
+        self.active.append(req)
+        eng.set_sampling(req.slot, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                         request_id=req.index)
+        hook = self.session.prefill_hook
+        first = eng.prefill(req.slot, req.prompt, hook(req) if hook else None)
+        self.stats.prefill_steps += -(-len(req.prompt) // eng.ecfg.prefill_chunk)
+        kept = req.extend([int(np.asarray(first)[0])])
+        if not req.finish_reason:
+            self.session.admit(req)
+        return kept
+
+    def dispatch(self, running: list[Request]) -> None:
+        """Enqueue `steps` rounds for the running requests without waiting for anything."""
+        eng, S, T = self.engine, self.steps, 1 + self.k_run
+        # Pages for every position the dispatches in flight and this one may write: each round
+        # writes at most T positions from the request's (host-known) cache length.
+        horizon = (len(self.inflight) + 1) * S * T + self.session.lookahead
+        for req in running:
+            eng.reserve(req.slot, req.num_cached + horizon)
+            self.session.reserve(req, req.num_cached + horizon)
+        eng.sync_tables()
+        R = eng.ecfg.request_bucket(len(running))
+        rows = _device_int32(tuple(r.slot for r in running) + (0,) * (R - len(running)))
+        greedy = all(r.temperature <= 0 for r in running)
+        run = round_executable(self.model.config, eng.ecfg, self.session.drafter, eng.kernels, greedy, S)
+        s = self.session
+        emitted, num_emitted, eng.caches, eng.state, s.dstate = run(
+            self.model.params, eng.caches, eng.state, s.dparams, s.dstate, rows, self._num_drafts, s.aux_tables())
+        s.sync()
+        jax.copy_to_host_async((emitted, num_emitted))  # lands while the next dispatch runs
+        self.inflight.append(Dispatch(list(running), emitted, num_emitted))
+
+    def collect(self, d: Dispatch):
+        """Read one dispatch's results (a round behind the device) and hand out its tokens."""
+        emitted, num_emitted = jax.device_get((d.emitted, d.num_emitted))  # [S, R, 1+k], [S, R]
+        for s in range(emitted.shape[0]):
+            live = [i for i, r in enumerate(d.requests) if not r.finish_reason]
+            if not live:
+                break
+            self.record(num_emitted[s, live])
+            for i in live:
+                req = d.requests[i]
+                yield req.index, req.extend(emitted[s, i, :num_emitted[s, i]].tolist())
+
+    def record(self, num_emitted: np.ndarray) -> None:
+        """Step and acceptance counters of one round's live rows (num_emitted [n] in 1..1+k)."""
+        st = self.stats
+        st.steps += 1
+        if not self.k:
+            return
+        k = self.k
+        st.verify_steps += len(num_emitted)
+        st.drafted += k * len(num_emitted)
+        st.accepted += int(np.sum(num_emitted - 1))
+        if not st.drafted_by_position:
+            st.drafted_by_position, st.accepted_by_position = [0] * k, [0] * k
+            st.emitted_histogram = [0] * (k + 2)  # index = tokens emitted by a row, 1..1+k
+        for n in num_emitted:
+            st.emitted_histogram[n] += 1
+        for i in range(k):
+            st.drafted_by_position[i] += len(num_emitted)
+            st.accepted_by_position[i] += int(np.sum(num_emitted - 1 > i))
+
+    # ---- slots -------------------------------------------------------------------------------
+    def retire(self) -> None:
+        """Free the slots of finished requests (dispatches in flight may still hold their rows:
+        the device runs those before anything enqueued after this, and their tokens are dropped)."""
+        for req in [r for r in self.active if r.finish_reason]:
+            self.active.remove(req)
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.session.release(req)
+        self.engine.release_slot(req.slot)
+
+    @contextlib.contextmanager
+    def releasing(self):
+        """Free every slot still held when generation ends early (error, abandoned stream)."""
+        try:
+            yield
+        finally:
+            for req in self.active:
+                self._release(req)
+            self.active.clear()
+            self.inflight.clear()
