@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark scripts: the published shapes, random-weight models, timing,
 HBM bandwidth, the physical-floor byte model, the environment record, JSON results and tables.
 
-Protocol (DESIGN.md §7): warm executables first, compile time excluded and reported separately,
+Protocol (docs/speculation.md#measuring-protocol): warm executables, compile time excluded and reported separately,
 median of >= 3 repeats, paired runs in one process, ratios rather than absolute times. jax is
 imported lazily so that the torch-only script (peers.py) never initialises a JAX backend (which
 would take most of the GPU's memory).

@@ -124,7 +124,7 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
 
 
 def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kernels: str):
-    """Gated DeltaNet mixer (reference/gdn.md §1.5). x [R, T, H]; ssm [S, HV, dk, dv] f32;
+    """Gated DeltaNet mixer (docs/model_math.md#gated-deltanet). x [R, T, H]; ssm [S, HV, dk, dv] f32;
     conv [N, (K-1)+k_max, conv_dim]. mode "verify" snapshots the state after every token,
     "prefill" runs the chunked form and keeps only the final state."""
     R, T, _ = x.shape

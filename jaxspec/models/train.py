@@ -10,7 +10,7 @@ which fan a batch out over XLA's intra-op pool and block on it, so two triangula
 concurrently on a 2-thread pool (as a backward pass schedules them) deadlock (seen here: both pool
 threads parked in `lapack_strsm_ffi` -> `ParallelBatchMap` -> `BlockingCounter::Wait`).
 tests/test_train_forward.py checks the logits against `jaxspec.score`. Also the MTP head
-(reference/gdn.md §1.7) for joint training.
+(docs/model_math.md#mtp-head) for joint training.
 
 Shapes: B sequences, T tokens, H hidden, V vocab. Differentiable; nothing here jits.
 """
@@ -112,7 +112,7 @@ def causal_attention(p, cfg: ModelConfig, x, positions):
 
 
 def gated_delta_net(p, cfg: ModelConfig, x):
-    """Gated DeltaNet mixer over the whole sequence from a zero state (reference/gdn.md §1.5). x [B, T, H]."""
+    """Gated DeltaNet mixer, whole sequence, zero start state (docs/model_math.md#gated-deltanet). x [B, T, H]."""
     B, T, _ = x.shape
     HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -160,7 +160,7 @@ def forward(params, cfg: ModelConfig, tokens):
 
 
 def mtp_hidden(params, cfg: ModelConfig, hidden, next_tokens):
-    """MTP head (reference/gdn.md §1.7). hidden [B, T, H] from forward_hidden; next_tokens [B, T]
+    """MTP head (docs/model_math.md#mtp-head). hidden [B, T, H] from forward_hidden; next_tokens [B, T]
     with next_tokens[:, t] = token t+1. Row t: fc(cat[norm_e(embed(token t+1)), norm_h(hidden_t)])
     -> the MTP decoder layers (causal over rows, RoPE position t+1, the position of the embedded
     token) -> mtp.norm. Returns [B, T, H]; its logits (shared lm_head) predict token t+2."""

@@ -1,5 +1,5 @@
 """The MTP drafter: the target's own multi-token-prediction head (mtp.* weights of Qwen3.5 and
-Qwen3-Next checkpoints, reference/gdn.md §1.7) proposes the drafts.
+Qwen3-Next checkpoints, docs/model_math.md#mtp-head) proposes the drafts.
 
 The MTP row of position q reads the target's final hidden state at q and the embedding of token
 q + 1; it runs fc(cat[norm_e(embed), norm_h(hidden)]) through the MTP decoder layer(s) (full

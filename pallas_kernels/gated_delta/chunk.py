@@ -1,4 +1,4 @@
-"""GDN chunked prefill: two Pallas kernels (Triton lowering), WY/UT form (reference/gdn.md §2.3, §4).
+"""GDN chunked prefill: two Pallas kernels (Triton lowering), WY/UT form (docs/model_math.md#chunked-prefill).
 
 Same semantics as `reference.gdn_prefill`. Not one fused kernel but two, both in Pallas, split where
 the work stops depending on the state (as FLA splits it):

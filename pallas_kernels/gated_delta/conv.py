@@ -1,6 +1,6 @@
 """Causal depthwise conv + SiLU on the per-request window lines: Pallas kernel (Triton lowering).
 
-Same semantics as `reference.conv_update` (reference/gdn.md §2.5, docs/architecture.md). One
+Same semantics as `reference.conv_update` (docs/model_math.md#conv-window-under-speculation). One
 program per (request, channel block of BC channels). With xs = window ++ x, where the window is
 the K-1 rows lines[read_row, off : off+K-1] (off = offset clamped into the line; zeros when not
 has_state), the outputs are y_t = silu(sum_i w[i] xs[t+i]) in float32. The first K-1 tokens read

@@ -2,7 +2,7 @@
 
 Same semantics as `reference.gdn_verify`. One program per (request, value head, V-block): it holds
 the `[dk, BV]` float32 tile of the start state in registers and runs the T = 1+k tokens
-(decode is T = 1), per token (reference/gdn.md §1.5, state h = S^T):
+(decode is T = 1), per token (docs/model_math.md#recurrence, state h = S^T):
 
     h <- exp(g_t) h ;  h <- h + k_t (beta_t (v_t - h^T k_t))^T ;  o_t = h^T q_t
 

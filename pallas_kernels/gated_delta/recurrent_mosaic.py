@@ -3,7 +3,7 @@
 Same semantics and contract as `reference.gdn_verify` and `recurrent.gdn_verify_pallas`. One CUDA
 block (one warpgroup, 128 threads) per (request b, value head h, V-block j). It holds the
 `[dk, BV]` float32 tile of the state h (= S^T, rows = keys) in registers in the WGMMA layout and
-runs the T tokens (a static Python loop, T = 1+k <= 16), per token (reference/gdn.md §1.5):
+runs the T tokens (a static Python loop, T = 1+k <= 16), per token (docs/model_math.md#recurrence):
 
     h <- exp(g_t) h ;  h <- h + k_t (beta_t (v_t - h^T k_t))^T ;  o_t = h^T q_t
 

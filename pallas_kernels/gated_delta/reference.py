@@ -1,6 +1,6 @@
 """Pure-JAX Gated DeltaNet references: the oracle for the Pallas kernels and the engine's CPU path.
 
-Math (reference/gdn.md §1.5 and §4), per value head, state `h [dk, dv]` (= S^T of the paper), per token:
+Math (docs/model_math.md#recurrence), per value head, state `h [dk, dv]` (= S^T of the paper), per token:
 
     h <- exp(g_t) h                         # decay, g_t <= 0
     h <- h + k_t (beta_t (v_t - h^T k_t))^T # delta-rule write
@@ -109,7 +109,7 @@ def _to_chunks(x, chunk_size: int):
 
 
 def _intra_chunk(q, k, v, g, beta):
-    """Everything that does not depend on the state entering a chunk (gdn.md §2.3 / §4).
+    """Everything that does not depend on the state entering a chunk (docs/model_math.md#chunked-prefill).
 
     Args: q, k [..., C, dk]; v [..., C, dv]; g, beta [..., C] (leading dims = chunks, batch, heads).
     Returns:
@@ -201,7 +201,7 @@ def _rows_slice(x, start, size: int):
 
 
 def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, *, mode: str):
-    """Conv step on the per-request sliding-window lines (gdn.md §2.5, docs/architecture.md).
+    """Conv step on the per-request sliding-window lines (docs/model_math.md#conv-window-under-speculation).
 
     Args:
       x: [B, T, C] raw inputs of this step.

@@ -1,4 +1,4 @@
-"""GDN rollback at the model level (docs/architecture.md, "GDN rollback"): after a round that emitted a tokens, the state
+"""GDN rollback at the model level (docs/speculation.md#gdn-rollback): after a round that emitted a tokens, the state
 slot base + a - 1 of every GDN layer holds exactly the state after plain sequential decoding of the
 accepted tokens, and the conv window read at offset a - 1 is the plain-decode window. Checked
 against a second engine that decodes the same tokens one at a time, for every a in 1..k+1, for

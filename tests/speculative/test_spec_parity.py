@@ -1,4 +1,4 @@
-"""Greedy speculative decoding is token-identical to plain greedy decoding (DESIGN.md §5), for
+"""Greedy speculative decoding is token-identical to plain greedy decoding (docs/speculation.md#greedy-acceptance), for
 every family, drafter and k; replay at alpha 1 / 0 gives tau = k + 1 / 1 exactly; pad_to_max
 (masked draft tails) equals per-k.
 

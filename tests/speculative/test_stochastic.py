@@ -1,4 +1,4 @@
-"""Sampling with speculation (DESIGN.md §5): fixed seeds reproduce exactly, whatever the batch;
+"""Speculative sampling (docs/speculation.md#stochastic-acceptance): fixed seeds reproduce exactly, whatever the batch;
 and end to end, the token of the first speculative round follows the target's own sampling
 distribution (chi-square on a tiny vocabulary), a check that deliberately wrong rejection samplers
 fail. tests/speculative/test_verify.py tests the rejection sampler itself."""
