@@ -91,7 +91,7 @@ def precompile(model, draft, configs, batch: int, threads: int) -> dict:
     R = model.engine_config(K).request_bucket(batch)
     S = model.rounds_per_dispatch
     table = [Bucket("allocate", 0, 0, K), Bucket("set_sampling", 1, 0, K), Bucket("prefill", 1, model.prefill_chunk, K),
-             Bucket("decode", R, 1, K, sampling="greedy", steps=S)]
+             Bucket("decode", R, 1 + model.decode_pad, K, sampling="greedy", steps=S)]
     for c in configs:
         m, k = c["method"], c["k"]
         table.append(Bucket(f"verify[{m}]", R, 1 + k, K, k, m, "greedy", S))

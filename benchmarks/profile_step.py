@@ -136,22 +136,28 @@ def main(argv=None) -> int:
             return tokens
         return call
 
-    def round_call(k, greedy=True, steps=1):
-        """The engine's dispatch of `steps` rounds (k = 0: plain decode); the loop state carries over."""
-        dparams, dstate, rows, num_drafts, drafter = inputs[("verify", k) if k else ("decode", 0)]
+    def round_call(k, greedy=True, steps=1, drafter=None):
+        """The engine's dispatch of `steps` rounds (k = 0: plain decode, with the model's inert
+        columns unless `drafter` says otherwise); the loop state carries over."""
+        dparams, dstate, rows, num_drafts, default = inputs[("verify", k) if k else ("decode", 0)]
+        drafter = drafter or default
         fn = round_executable(cfg, ecfg, drafter, eng.kernels, greedy, steps)
-        st[(k, greedy, steps)] = dstate
+        key = (k, greedy, steps, drafter)
+        st[key] = dstate
 
         def call():
-            key = (k, greedy, steps)
             emitted, _, st["caches"], st["state"], st[key] = fn(model.params, st["caches"], st["state"], dparams,
                                                                st[key], rows, num_drafts, None)
             return emitted
         return call, steps
 
-    plan = [("decode T=1 (engine round, greedy)", 1, round_call(0)),
-            ("decode T=1 (engine round, sampling)", 1, round_call(0, greedy=False)),
-            ("decode T=1 x4 rounds per dispatch", 1, round_call(0, steps=4)),
+    from jaxspec.speculative.drafters import NoDrafter
+
+    pad = model.decode_pad
+    plan = [(f"decode (engine round, greedy, {pad} inert)", 1, round_call(0)),
+            (f"decode (engine round, sampling, {pad} inert)", 1, round_call(0, greedy=False)),
+            (f"decode x4 rounds per dispatch ({pad} inert)", 1, round_call(0, steps=4)),
+            ("decode T=1 (engine round, greedy, no inert column)", 1, round_call(0, drafter=NoDrafter(0))),
             ("forward+argmax T=1", 1, (forward_call(1), 1)),
             ("forward+argmax T=2", 2, (forward_call(2), 1))]
     for k in ks:

@@ -149,7 +149,7 @@ def headline(directory: Path) -> dict:
         prof = directory / f"profile_step_{shape}.json"
         if prof.exists():
             d = json.loads(prof.read_text())
-            decode = next((r for r in d.get("results", []) if r["step"].startswith("decode T=1 (engine round, greedy")),
+            decode = next((r for r in d.get("results", []) if r["step"].startswith("decode (engine round, greedy")),
                           None)
             if decode:
                 row.update(decode_step_wall_ms=decode["pipelined_ms"], decode_device_busy_ms=decode["device_busy_ms"],

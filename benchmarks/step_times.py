@@ -128,7 +128,8 @@ def _batch_inputs(model, eng, R: int, ks: list[int], context: int, steps: int = 
     rows = jax.device_put(np.arange(1, R + 1, dtype=np.int32))
     makers, inputs = {}, {}
     for k in [0] + list(ks):
-        drafter = make_drafter("replay" if k else None, model, ecfg, k)
+        # decode: the engine's plain step, with its inert columns (Model.decode_pad) on a GPU
+        drafter = make_drafter("replay", model, ecfg, k) if k else make_drafter(None, model, ecfg, model.decode_pad)
         dparams = dstate = None
         if k:
             S = ecfg.max_num_seqs + 1

@@ -208,10 +208,11 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
         if prefill:
             add(Bucket("prefill", 1, chunk, engine_k(k)))
 
-    engine_entries(0, True)
+    pad = model.decode_pad  # plain decode steps carry `pad` inert columns (Model.decode_pad)
+    engine_entries(pad, True)
     for mode in sampling:
         for r in buckets:
-            add(Bucket("decode", r, 1, engine_k(0), sampling=mode, steps=steps))
+            add(Bucket("decode", r, 1 + pad, engine_k(pad), sampling=mode, steps=steps))
     run_ks = k_values if model.k_mode == "per_k" else ((model.max_num_speculative_tokens,) if k_values else ())
     for k in run_ks:
         engine_entries(k, any(method != "mtp" for method in methods))  # mtp prefills through prefill_hidden
@@ -330,7 +331,8 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
     from jaxspec.speculative.round import round_executable
     from jaxspec.speculative.session import make_drafter
 
-    drafter = make_drafter(bucket.method, model, ecfg, bucket.k, draft_model=draft_model)
+    k = bucket.k if bucket.method else bucket.query_len - 1  # a plain decode's inert columns
+    drafter = make_drafter(bucket.method, model, ecfg, k, draft_model=draft_model)
     num_slots, i32 = ecfg.max_num_seqs + 1, jnp.int32
     dparams, dstate, aux = None, None, None
     if bucket.method == "draft_model":

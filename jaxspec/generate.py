@@ -232,4 +232,4 @@ def score(model, token_ids: list[int], *, incremental: bool = False):
     if len(ids) > model.max_model_len:
         raise ValueError(f"{len(ids)} tokens exceed max_model_len={model.max_model_len}")
     end_open_streams(model)
-    return model.engine(0).score(ids, incremental=incremental)
+    return model.engine(model.decode_pad).score(ids, incremental=incremental)

@@ -46,6 +46,7 @@ class Model:
     memory_budget: int | None = None  # bytes for weights + caches; None = what the device reports
     rounds_per_dispatch: int = 1  # S: decode steps / speculative rounds per executable call
     dispatch_ahead: int = 1  # dispatches enqueued before the oldest one's tokens are read (0 = synchronous)
+    decode_tokens: int | str = "auto"  # tokens per row of a plain decode step: 1, or 2 (one inert column)
     hf_config: dict = field(default_factory=dict)
     _engines: dict = field(default_factory=dict, repr=False)
     _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)  # open streams
@@ -53,6 +54,17 @@ class Model:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids
+
+    @property
+    def decode_pad(self) -> int:
+        """Inert columns a plain decode step carries (decode_tokens - 1). "auto" is 1 on GPUs: XLA
+        lowers the one-row (M = 1) matmuls of a T = 1 step to matrix-vector kernels that took more GPU
+        time than the two-row step (H200, Qwen3.5-2B: 2.52 vs 2.09 ms; docs/benchmarks.md), so a
+        decode step runs the T = 2 verify shape with its second column masked. Elsewhere 0."""
+        tokens = self.decode_tokens
+        if tokens == "auto":
+            tokens = 2 if jax.default_backend() == "gpu" else 1
+        return tokens - 1
 
     def engine_config(self, num_speculative_tokens: int = 0) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
@@ -149,7 +161,7 @@ K_MODES = ("per_k", "pad_to_max")
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
          k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
-         rounds_per_dispatch: int = 1, dispatch_ahead: int = 1) -> Model:
+         rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto") -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
@@ -162,6 +174,9 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     read back together; a request that stops inside them wastes at most S - 1 rounds of compute.
     dispatch_ahead: calls enqueued before the oldest one's tokens are read (1 hides the host's
     bookkeeping behind the GPU; 0 waits for every call, the synchronous reference).
+    decode_tokens: tokens per row of a plain decode step: 1, or 2 (the second an inert column, so the
+    step's matmuls have the verify's shape; the caches then hold state for two tokens); "auto" = 2 on
+    GPUs, 1 elsewhere.
     memory_budget: bytes the weights plus the caches may use (None = the device's limit, where it
     reports one); an engine that would exceed it is refused before its caches are allocated, with
     cache.MemoryBudgetError naming the largest component. The plain-decoding engine is checked here.
@@ -176,6 +191,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     for name, value, low in (("rounds_per_dispatch", rounds_per_dispatch, 1), ("dispatch_ahead", dispatch_ahead, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    if decode_tokens not in ("auto", 1, 2) or isinstance(decode_tokens, bool):
+        raise ValueError(f"decode_tokens={decode_tokens!r} is not valid; choose 'auto', 1 or 2")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive integer (bytes) or None")
     name = str(path_or_name)
@@ -199,9 +216,10 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                   page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
                   k_mode=k_mode, memory_budget=memory_budget, rounds_per_dispatch=rounds_per_dispatch,
-                  dispatch_ahead=dispatch_ahead)
+                  dispatch_ahead=dispatch_ahead, decode_tokens=decode_tokens)
     if memory_budget is not None:
-        check_memory(model, model.engine_config(max_num_speculative_tokens))  # refuse now, not at generate
+        # refuse now, not at generate
+        check_memory(model, model.engine_config(max(max_num_speculative_tokens, model.decode_pad)))
     return model
 
 

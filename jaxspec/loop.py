@@ -75,9 +75,11 @@ def run(model, requests: list[Request], spec, stats):
     """Continuous batching over `requests`, plain (spec None) or speculative; yields (request index,
     new token ids) in the order results are known. Closing the generator frees every slot."""
     k = 0 if spec is None else spec.k
-    engine = model.engine(k)
-    # pad_to_max: every k runs the k_max executable; drafts beyond spec.k are a masked tail.
-    k_run = engine.ecfg.max_num_speculative_tokens if spec is not None and model.k_mode == "pad_to_max" else k
+    # Plain decoding may carry inert columns (Model.decode_pad); pad_to_max runs every k with the
+    # k_max executable. Both are drafts beyond num_drafts: a masked tail.
+    engine = model.engine(model.decode_pad if spec is None else k)
+    k_run = model.decode_pad if spec is None else engine.ecfg.max_num_speculative_tokens \
+        if model.k_mode == "pad_to_max" else k
     session = make_session(model, engine, spec, requests, k_run)
     loop = Loop(model, engine, session, k_run, k, stats)
     with loop.releasing():

@@ -70,12 +70,13 @@ def zeros_state(shapes: dict) -> dict:
 
 @dataclass(frozen=True)
 class NoDrafter:
-    """Plain decoding as a round with k = 0 drafts: the verify is the one-token decode step."""
+    """Plain decoding as a round without drafts: the verify is the one-token decode step. k > 0
+    adds inert columns (never verified: num_drafts is 0), so the step has the verify's shape."""
 
     k: int = 0
 
     def propose(self, dparams, dstate, rnd: RoundInputs, num_emitted):
-        return jnp.zeros((rnd.seq_slot.shape[0], 0), jnp.int32), None, dstate
+        return jnp.zeros((rnd.seq_slot.shape[0], self.k), jnp.int32), None, dstate
 
     def commit(self, dparams, dstate, rnd: RoundInputs, emitted, num_emitted, hidden):
         return dstate

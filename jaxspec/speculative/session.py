@@ -106,7 +106,7 @@ def make_drafter(method: str, model, ecfg: EngineConfig, k: int, *, prompt_looku
     """The static (jit-keying) drafter proposing k tokens for a target engine configured by ecfg
     (method None: plain decoding)."""
     if method is None:
-        return NoDrafter()
+        return NoDrafter(k)
     if method == "ngram":
         return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1],
                             history_len=ecfg.max_model_len + k + 1)
@@ -125,7 +125,7 @@ def make_session(model, engine, spec, requests, k: int) -> Session:
     """The drafter session for a generate call (spec None: plain decoding); drafters propose k
     tokens (spec's k, or k_max when the model pads every k to its maximum)."""
     if spec is None:
-        return Session(NoDrafter())
+        return Session(NoDrafter(k))
     num_slots = engine.ecfg.max_num_seqs + 1
     drafter = make_drafter(spec.method, model, engine.ecfg, k, draft_model=spec.draft_model,
                            prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max))
