@@ -60,9 +60,10 @@ def moe_path(num_tokens: int, num_experts: int, top_k: int) -> str:
     pairs are fewer than the experts, else "grouped".
 
     Bytes decide it: the gather path reads one expert's weights per pair (N * top_k of them, repeats
-    included), the grouped path reads the experts' weights once whatever N (all E of them in XLA's
-    worst case, only the chosen ones in a grouped GEMM that skips empty groups). Below E pairs the
-    gather reads less; at and above E it would read more than every expert."""
+    included), the grouped path reads the experts' weights once whatever N (only the chosen ones in
+    a grouped GEMM that skips empty groups; all E, at E times the arithmetic, where a backend lowers
+    ragged_dot to a padded dense dot). Below E pairs the gather reads fewer than E experts; from E
+    on it would read more than all of them. benchmarks/step_times.py times both paths per N."""
     return "gather" if num_tokens * top_k < num_experts else "grouped"
 
 
@@ -80,8 +81,7 @@ def moe(p, cfg: ModelConfig, x, path: str = "auto"):
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     if path == "auto":
         path = moe_path(x.shape[0], cfg.num_experts, cfg.num_experts_per_tok)
-    experts = {"gather": _gathered_experts, "grouped": _grouped_experts}[path]
-    out = experts(p, x, top_w.astype(x.dtype), top_i)
+    out = EXPERT_PATHS[path](p, x, top_w.astype(x.dtype), top_i)
     if "shared" in p:
         shared = mlp(p["shared"], x)
         out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * shared
@@ -113,6 +113,9 @@ def _grouped_experts(p, x, top_w, top_i):
     ys = jax.lax.ragged_dot(h, p["down"], sizes)  # [P, H] sorted rows
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))  # [P] sorted row of pair
     return jnp.einsum("nk,nkh->nh", top_w, ys[inverse].reshape(N, k, -1))
+
+
+EXPERT_PATHS = {"gather": _gathered_experts, "grouped": _grouped_experts}  # f(p, x, top_w, top_i) -> [N, H]
 
 
 def feed_forward(layer, cfg: ModelConfig, x):
