@@ -81,8 +81,15 @@ def test_both_paths_equal_the_loop_in_float32_and_bfloat16(path, n, uneven):
     if uneven:  # the routing this case exists for: several empty experts, one crowded
         assert (counts == 0).sum() >= 8 and counts.max() >= n // 2, counts
     cfg = config(True)
-    f32 = jax.jit(lambda p, x: layers.moe(p, cfg, x, path=path))(p, x)
+    f32 = layers.moe(p, cfg, x, path=path)
     assert f32.dtype == jnp.float32 and rel_rms(f32, want) < 2e-6
     bf16 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), (p, x))
     out = layers.moe(*bf16[:1], cfg, bf16[1], path=path)
     assert out.dtype == jnp.bfloat16 and rel_rms(out, want) < 2e-2
+
+
+def test_the_grouped_path_compiles_with_static_shapes():
+    p, x = inputs(40, seed=7, uneven=True)
+    cfg = config(True)
+    jitted = jax.jit(lambda p, x: layers.moe(p, cfg, x, path="grouped"))(p, x)
+    np.testing.assert_allclose(jitted, layers.moe(p, cfg, x, path="grouped"), rtol=1e-5, atol=1e-6)
