@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import functools  # noqa: E402
 import gc  # noqa: E402
+import importlib.metadata  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -368,6 +370,18 @@ def _lower_moe(path: str, p, args_):
         jax.config.update(TRITON_FLAG, old)
 
 
+def _hlo_facts(exe) -> dict:
+    """What the backend made of the path: its custom-call targets (a cuDNN ragged-dot fusion shows
+    here) and whether a ragged-dot survived to the optimised HLO (else it was rewritten, e.g. to a
+    padded dense dot)."""
+    try:
+        text = exe.as_text()
+    except Exception as e:
+        return {"hlo": f"unavailable: {type(e).__name__}"}
+    return {"custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))),
+            "ragged_dot_in_hlo": "ragged-dot(" in text, "dots_in_hlo": len(re.findall(r" dot\(", text))}
+
+
 def _time_moe(exe, inputs: tuple, args) -> dict:
     """{timing, ms} of a compiled expert path, or {error}."""
     try:
@@ -405,13 +419,23 @@ def run_moe_paths(model, args, bandwidth: float) -> dict:
             if (n, path) in errors:
                 row["error"] = errors[(n, path)]
             else:
+                row.update(_hlo_facts(compiled[(n, path)]))
                 row.update(_time_moe(compiled[(n, path)], (p, x, top_w, top_i), args))
             if "ms" in row:
                 row["ratio_to_floor"] = row["ms"] / row["floor_ms"]
             rows.append(row)
             log(f"  moe N={n:3d} {path:14s}: " + (f"{row['ms']:.3f} ms, floor {row['floor_ms']:.3f} ms, "
                 f"x{row['ratio_to_floor']:.2f}" if "ms" in row else row["error"][:160]))
-    return {"expert_bytes": expert_bytes, "compile_wall_s": round(wall, 2), "rows": rows}
+    return {"expert_bytes": expert_bytes, "compile_wall_s": round(wall, 2), "rows": rows,
+            "cudnn": {d: _installed(d) for d in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")}}
+
+
+def _installed(package: str) -> str | None:
+    """Version of an installed distribution (XLA lowers ragged_dot to cuDNN only from cuDNN 9.22)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------------
