@@ -328,15 +328,6 @@ def memory_table(name: str, args) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _dense_experts(p, x, top_w, top_i):
-    """Baseline only (the path the grouped one replaced): every expert on every token, weighted by
-    the routing weight (zero when not chosen). x [N, H] -> [N, H]; E times the needed arithmetic."""
-    weights = jnp.zeros((x.shape[0], p["gate"].shape[0]), x.dtype).at[jnp.arange(x.shape[0])[:, None], top_i].set(
-        top_w)  # [N, E]
-    gate, up = jnp.einsum("nh,ehi->nei", x, p["gate"]), jnp.einsum("nh,ehi->nei", x, p["up"])
-    return jnp.einsum("ne,neh->nh", weights, jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"]))
-
-
 def _random_routing(n: int, cfg, dtype, seed: int):
     """x [n, H] ~ N(0, 1), top_i [n, k]: k distinct experts per token uniformly at random (the floor
     model's routing), top_w [n, k] normalised."""
@@ -352,7 +343,7 @@ def _random_routing(n: int, cfg, dtype, seed: int):
 def _expert_fn(path: str):
     from jaxspec.models import layers
 
-    return _dense_experts if path == "dense" else layers.EXPERT_PATHS[path.removesuffix("-triton")]
+    return layers.EXPERT_PATHS[path.removesuffix("-triton")]
 
 
 def _lower_moe(path: str, p, args_):

@@ -115,7 +115,19 @@ def _grouped_experts(p, x, top_w, top_i):
     return jnp.einsum("nk,nkh->nh", top_w, ys[inverse].reshape(N, k, -1))
 
 
-EXPERT_PATHS = {"gather": _gathered_experts, "grouped": _grouped_experts}  # f(p, x, top_w, top_i) -> [N, H]
+def _dense_experts(p, x, top_w, top_i):
+    """Every expert on every token, weighted by its routing weight (zero when not chosen): E / top_k
+    times the needed arithmetic, each expert's weights read once. Never picked by moe_path; kept as
+    the measured baseline and the fallback for a backend whose ragged_dot is a padded dense dot
+    (that costs top_k times this). x [N, H]; top_w [N, k]; top_i [N, k] -> [N, H]."""
+    N, E = x.shape[0], p["gate"].shape[0]
+    weights = jnp.zeros((N, E), x.dtype).at[jnp.arange(N)[:, None], top_i].set(top_w)  # [N, E]
+    gate, up = jnp.einsum("nh,ehi->nei", x, p["gate"]), jnp.einsum("nh,ehi->nei", x, p["up"])  # [N, E, I]
+    return jnp.einsum("ne,neh->nh", weights, jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"]))
+
+
+# f(p, x, top_w, top_i) -> [N, H]; moe(path=...) names one, moe_path picks gather or grouped.
+EXPERT_PATHS = {"gather": _gathered_experts, "grouped": _grouped_experts, "dense": _dense_experts}
 
 
 def feed_forward(layer, cfg: ModelConfig, x):

@@ -1,5 +1,5 @@
 """The sparse MoE block (models/layers.moe): the gathered path (N * top_k < E, decode and short spans)
-and the grouped path (ragged_dot over expert-sorted pairs) both equal a per-token float64 loop over
+and the grouped path (ragged_dot over expert-sorted pairs), and the dense fallback, equal a per-token float64 loop over
 the chosen experts, in float32 tightly and in bfloat16 by relative RMS, with tokens routed evenly or
 piled onto a few experts (most experts get no rows)."""
 
@@ -73,9 +73,12 @@ def test_the_switch_point_is_n_top_k_against_the_experts():
     assert layers.moe_path(31, 256, 8) == "gather" and layers.moe_path(32, 256, 8) == "grouped"
 
 
-@pytest.mark.parametrize("path", ["gather", "grouped"])
-@pytest.mark.parametrize("n,uneven", [(1, False), (7, False), (8, True), (40, False), (40, True)])
-def test_both_paths_equal_the_loop_in_float32_and_bfloat16(path, n, uneven):
+ROUTINGS = [(1, False), (7, False), (8, True), (40, False), (40, True)]  # (N, uneven) across the switch at N = 8
+CASES = [(path, n, u) for path in ("gather", "grouped") for n, u in ROUTINGS] + [("dense", n, True) for n in (8, 40)]
+
+
+@pytest.mark.parametrize("path,n,uneven", CASES)
+def test_every_path_equals_the_loop_in_float32_and_bfloat16(path, n, uneven):
     p, x = inputs(n, seed=100 + n, uneven=uneven)
     want, counts = reference(p, x, norm_topk=True)
     if uneven:  # the routing this case exists for: several empty experts, one crowded
