@@ -62,8 +62,19 @@ SHAPES: dict[str, dict] = {
                             shared_expert_intermediate_size=512, tie_word_embeddings=False,
                             rope_parameters=_QWEN35_ROPE, attn_output_gate=True, rms_norm_eps=1e-6,
                             max_position_embeddings=262144),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json as published (flat rope fields, layer pattern by
+    # full_attention_interval). In bf16 it is ~160 GB, more than one H200: run it with --layers.
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                               full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2,
+                               head_dim=256, intermediate_size=5120, linear_num_key_heads=16,
+                               linear_num_value_heads=32, **_GDN, num_experts=512, num_experts_per_tok=10,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                               tie_word_embeddings=False, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                               rms_norm_eps=1e-6, max_position_embeddings=262144),
 }
-DEFAULT_SHAPES = tuple(SHAPES)
+TOO_BIG_FOR_ONE_GPU = ("qwen3-next-80b-a3b",)  # full depth in bf16 exceeds one H200's 141 GB
+DEFAULT_SHAPES = tuple(n for n in SHAPES if n not in TOO_BIG_FOR_ONE_GPU)
 
 
 def _demo_shape(family: str) -> dict:
@@ -169,14 +180,26 @@ def params_bytes_by_kind(cfg, dtype: str = "bfloat16") -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------
 
 
+def expected_experts(cfg, tokens: int) -> float:
+    """Expected distinct routed experts per MoE layer when `tokens` tokens are routed at random.
+
+    Each token picks top_k distinct experts of E, so a given expert escapes one token with probability
+    1 - top_k/E and all of them with (1 - top_k/E)^tokens:  E * (1 - (1 - top_k/E)^tokens).
+    One token: top_k; many: -> E. (Random-weight models route close to this; trained routers, which
+    reuse experts across neighbouring tokens, touch fewer.)"""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    return E * (1.0 - (1.0 - k / E) ** tokens) if E else 0.0
+
+
 def step_bytes(cfg, weights: dict[str, int], R: int, T: int, context: int, itemsize: int = 2) -> dict[str, int]:
     """Bytes one forward over R requests x T tokens at `context` cached tokens must move.
 
-    weights: params_bytes_by_kind. Routed experts count min(E, N*top_k) of E (N = R*T tokens);
-    the embedding counts its N gathered rows (or its full size once when tied to the lm_head).
-    KV: every request reads its context + T keys and values per attention layer and writes T.
-    GDN: per request and layer, the start state read once, T snapshots written (fp32), the conv
-    window read and rewritten. `logits` (fp32 [R, T, V] written once) is informational: a fused
+    weights: params_bytes_by_kind. Routed experts: the union of the chosen experts' weights, each read
+    once, counted as expected_experts(N) of E per layer (N = R*T tokens in the step; recorded as
+    `experts_per_layer`); the embedding counts its N gathered rows (or its full size once when tied
+    to the lm_head). KV: every request reads its context + T keys and values per attention layer and
+    writes T. GDN: per request and layer, the start state read once, T snapshots written (fp32), the
+    conv window read and rewritten. `logits` (fp32 [R, T, V] written once) is informational: a fused
     argmax need not write it, so it is not part of the floor.
     """
     n = R * T
@@ -184,17 +207,16 @@ def step_bytes(cfg, weights: dict[str, int], R: int, T: int, context: int, items
         embed = weights["embed"]
     else:
         embed = min(weights["embed"], n * cfg.hidden_size * itemsize) + weights["lm_head"]
-    experts = weights["experts"]
-    if experts:
-        experts = experts * min(cfg.num_experts, n * cfg.num_experts_per_tok) // cfg.num_experts
+    experts_per_layer = expected_experts(cfg, n) if weights["experts"] else 0.0
+    experts = round(weights["experts"] * experts_per_layer / cfg.num_experts) if weights["experts"] else 0
     kv_token = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     kv = len(cfg.attention_layers) * R * ((context + T) * kv_token + T * kv_token)
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     conv = (2 * (cfg.linear_conv_kernel_dim - 1) + T) * cfg.gdn_conv_dim * itemsize
     gdn = len(cfg.gdn_layers) * R * ((1 + T) * state + conv)
     weights_touched = embed + experts + weights["rest"]
-    return {"weights": weights_touched, "kv": kv, "gdn_state": gdn, "floor": weights_touched + kv + gdn,
-            "logits": n * cfg.vocab_size * 4}
+    return {"weights": weights_touched, "experts": experts, "experts_per_layer": round(experts_per_layer, 2),
+            "kv": kv, "gdn_state": gdn, "floor": weights_touched + kv + gdn, "logits": n * cfg.vocab_size * 4}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import functools  # noqa: E402
 import gc  # noqa: E402
+import importlib.metadata  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -34,6 +36,10 @@ from benchmarks.common import fmt, log  # noqa: E402
 
 SMOKE = dict(shapes="demo-qwen3.5", batches="1", ks="1", context=24, repeats=3, pipeline=2, eager="none",
              bandwidth_gib=1 / 32, memory_lens="128,4096", compile_threads=2, warmup=1)
+
+
+MOE_PATHS = ("gather", "grouped", "dense", "grouped-triton")
+TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
 def build_parser():
@@ -56,12 +62,17 @@ def build_parser():
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="device memory for the max-batch table (default: the backend's bytes_limit, else 141)")
     p.add_argument("--reserve-gib", type=float, default=2.0, help="workspace kept free in the max-batch table")
+    p.add_argument("--moe-paths", default=",".join(MOE_PATHS),
+                   help="MoE shapes: expert paths timed alone on one layer at every step's token count "
+                        "('none' = skip); grouped-triton is ragged_dot's Pallas Triton lowering (GPU)")
     return p
 
 
 def parse(argv=None):
     p = build_parser()
     args = common.parse_args(p, argv, SMOKE)
+    if args.moe_paths != "none":
+        common.check_choices("--moe-paths", args.moe_paths, MOE_PATHS, "path")
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
     for name, values in (("--batches", common.int_list(args.batches)), ("--ks", common.int_list(args.ks))):
         if not values:
@@ -318,6 +329,112 @@ def memory_table(name: str, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# MoE: the expert matmuls of one layer, path by path, against the union of the chosen experts
+# ------------------------------------------------------------------------------------------------
+
+
+def _random_routing(n: int, cfg, dtype, seed: int):
+    """x [n, H] ~ N(0, 1), top_i [n, k]: k distinct experts per token uniformly at random (the floor
+    model's routing), top_w [n, k] normalised."""
+    rng = np.random.default_rng(seed)
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    top_i = np.argsort(rng.random((n, E)), axis=1)[:, :k].astype(np.int32)
+    top_w = rng.random((n, k))
+    top_w /= top_w.sum(axis=1, keepdims=True)
+    x = rng.standard_normal((n, cfg.hidden_size))
+    return jnp.asarray(x, dtype), jnp.asarray(top_w, dtype), jnp.asarray(top_i), len(np.unique(top_i))
+
+
+def _expert_fn(path: str):
+    from jaxspec.models import layers
+
+    return layers.EXPERT_PATHS[path.removesuffix("-triton")]
+
+
+def _lower_moe(path: str, p, args_):
+    """Lowered jit of one path; grouped-triton lowers ragged_dot with jax's Pallas Triton kernel."""
+    fn = jax.jit(_expert_fn(path))
+    if path != "grouped-triton":
+        return fn.lower(p, *args_)
+    if jax.default_backend() != "gpu" or not hasattr(jax.config, TRITON_FLAG):
+        raise RuntimeError(f"needs a GPU backend and jax.config.{TRITON_FLAG} (this jax: {jax.__version__})")
+    old = getattr(jax.config, TRITON_FLAG)
+    jax.config.update(TRITON_FLAG, True)
+    try:
+        return fn.lower(p, *args_)
+    finally:
+        jax.config.update(TRITON_FLAG, old)
+
+
+def _hlo_facts(exe) -> dict:
+    """What the backend made of the path: its custom-call targets (a cuDNN ragged-dot fusion shows
+    here) and whether a ragged-dot survived to the optimised HLO (else it was rewritten, e.g. to a
+    padded dense dot)."""
+    try:
+        text = exe.as_text()
+    except Exception as e:
+        return {"hlo": f"unavailable: {type(e).__name__}"}
+    return {"custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))),
+            "ragged_dot_in_hlo": "ragged-dot(" in text, "dots_in_hlo": len(re.findall(r" dot\(", text))}
+
+
+def _time_moe(exe, inputs: tuple, args) -> dict:
+    """{timing, ms} of a compiled expert path, or {error}."""
+    try:
+        t = common.time_steps(lambda: exe(*inputs), warmup=args.warmup, repeats=args.repeats,
+                              pipeline=args.pipeline)
+    except Exception as e:
+        return {"error": f"run: {type(e).__name__}: {e}"[:2000]}
+    return {"timing": t, "ms": (t["pipelined"] or t["latency"])["median_ms"]}
+
+
+def run_moe_paths(model, args, bandwidth: float) -> dict:
+    """One MoE layer's routed experts (router and shared expert excluded), random routing, at the
+    token count of every timed step, by each path in --moe-paths. Floor: the weights of the experts
+    the sampled routing chose (their union, each read once) plus x read and the output written."""
+    from jaxspec.models import layers
+
+    cfg = model.config
+    p = next(layer["moe"] for layer in model.params["layers"] if "moe" in layer)
+    p = {k: p[k] for k in ("gate", "up", "down")}
+    expert_bytes = sum(int(np.prod(p[k].shape[1:])) * p[k].dtype.itemsize for k in p)
+    ns = sorted({R * T for R in common.int_list(args.batches) for T in [1] + [1 + k for k in common.int_list(args.ks)]})
+    paths = args.moe_paths.split(",")
+    inputs = {n: _random_routing(n, cfg, model.dtype, seed=n) for n in ns}
+    makers = {(n, path): functools.partial(_lower_moe, path, p, inputs[n][:3]) for n in ns for path in paths}
+    compiled, errors, _, wall = common.lower_and_compile(makers, args.compile_threads)
+    rows = []
+    for n in ns:
+        x, top_w, top_i, distinct = inputs[n]
+        floor_bytes = distinct * expert_bytes + 2 * x.size * x.dtype.itemsize
+        for path in paths:
+            row = {"N": n, "pairs": n * cfg.num_experts_per_tok, "path": path, "distinct_experts": distinct,
+                   "expected_experts": round(common.expected_experts(cfg, n), 2),
+                   "auto": layers.moe_path(n, cfg.num_experts, cfg.num_experts_per_tok),
+                   "floor_ms": floor_bytes / bandwidth * 1e3}
+            if (n, path) in errors:
+                row["error"] = errors[(n, path)]
+            else:
+                row.update(_hlo_facts(compiled[(n, path)]))
+                row.update(_time_moe(compiled[(n, path)], (p, x, top_w, top_i), args))
+            if "ms" in row:
+                row["ratio_to_floor"] = row["ms"] / row["floor_ms"]
+            rows.append(row)
+            log(f"  moe N={n:3d} {path:14s}: " + (f"{row['ms']:.3f} ms, floor {row['floor_ms']:.3f} ms, "
+                f"x{row['ratio_to_floor']:.2f}" if "ms" in row else row["error"][:160]))
+    return {"expert_bytes": expert_bytes, "compile_wall_s": round(wall, 2), "rows": rows,
+            "cudnn": {d: _installed(d) for d in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")}}
+
+
+def _installed(package: str) -> str | None:
+    """Version of an installed distribution (XLA lowers ragged_dot to cuDNN only from cuDNN 9.22)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
 # Driver
 # ------------------------------------------------------------------------------------------------
 
@@ -349,6 +466,12 @@ def run_shape(name: str, layers: int | None, args, res, bandwidth: float, budget
         except Exception as e:
             res.error(f"{name} R={R}", e)
         res.save()
+    if model.config.num_experts and args.moe_paths != "none" and budget.allows():
+        try:
+            rec["moe_paths"] = run_moe_paths(model, args, bandwidth)
+        except Exception as e:
+            res.error(f"{name} moe paths", e)
+        res.save()
     want_eager = args.eager == "all" or (args.eager == "first" and first)
     if want_eager and budget.allows(30 if not args.smoke else 0):
         captured = next((i["latency_ms"] for b in rec["batches"] if b["R"] == 1 for i in b["items"]
@@ -367,16 +490,17 @@ def run_shape(name: str, layers: int | None, args, res, bandwidth: float, budget
 
 
 def print_tables(res) -> None:
-    rows, fits, eager, mem = [], [], [], []
+    rows, fits, eager, mem, moe = [], [], [], [], []
     for rec in res.data["results"]:
         label = f"{rec['shape']}" + (f"[{rec['layers']}L]" if rec["layers"] != rec["full_layers"] else "")
         for b in rec["batches"]:
             for i in b["items"]:
                 if "error" in i:
-                    rows.append([label, b["R"], i["kind"], i["T"], "ERROR", "", "", ""])
+                    rows.append([label, b["R"], i["kind"], i["T"], "ERROR", "", "", "", ""])
                     continue
+                experts = i["bytes"].get("experts_per_layer")
                 rows.append([label, b["R"], i["kind"], i["T"], fmt(i["pipelined_ms"], 3), fmt(i["latency_ms"], 3),
-                             fmt(i["floor_ms"], 3), fmt(i["ratio_to_floor"])])
+                             fmt(i["floor_ms"], 3), fmt(i["ratio_to_floor"]), fmt(experts or None, 1)])
             f, ff = b["fit"]["pipelined_ms"], b["floor_fit"]
             if f:
                 fits.append([label, b["R"], f"{f['a_ms']:.3f} {f['b_ms_per_token']:+.3f} t", fmt(f["r2"], 3),
@@ -385,6 +509,10 @@ def print_tables(res) -> None:
             e = rec["eager"]
             eager.append([label, e["T"], fmt(e["eager_latency_ms"], 1), fmt(e["captured_latency_ms"], 3),
                           fmt(e["eager_over_captured"], 1)])
+        for r in (rec.get("moe_paths") or {}).get("rows", []):
+            moe.append([label, r["N"], r["pairs"], r["distinct_experts"], r["path"] + (" *" if r["path"] == r["auto"]
+                        else ""), fmt(r.get("ms"), 3) if "error" not in r else "ERROR", fmt(r["floor_ms"], 3),
+                        fmt(r.get("ratio_to_floor"))])
         m = rec.get("memory")
         if m:
             for r in m["rows"]:
@@ -392,7 +520,12 @@ def print_tables(res) -> None:
                     mem.append([rec["shape"], r["max_model_len"], r["k"], f"{r['per_request_total'] / 2**20:.1f}",
                                 r["max_batch"], r.get("max_batch_physical") or "-"])
     print("\nstep times (ms; pipelined = back-to-back calls, latency = each call waited for)")
-    print(common.format_table(rows, ["shape", "R", "step", "T", "pipelined", "latency", "floor", "x floor"]))
+    print(common.format_table(rows, ["shape", "R", "step", "T", "pipelined", "latency", "floor", "x floor",
+                                     "experts/layer"]))
+    if moe:
+        print("\nMoE routed experts, one layer, random routing (ms; * = the path layers.moe picks; floor = the "
+              "chosen experts' weights once)")
+        print(common.format_table(moe, ["shape", "N", "pairs", "experts", "path", "ms", "floor", "x floor"]))
     if fits:
         print("\nverify(t) fit, pipelined (ms)  vs  floor(t)")
         print(common.format_table(fits, ["shape", "R", "fit", "r2", "floor fit"]))

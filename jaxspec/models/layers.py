@@ -55,27 +55,33 @@ def mlp(p, x):
     return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
 
 
-def moe(p, cfg: ModelConfig, x):
+def moe_path(num_tokens: int, num_experts: int, top_k: int) -> str:
+    """The expert path for N = num_tokens rows (static): "gather" while the N * top_k (token, expert)
+    pairs are fewer than the experts, else "grouped".
+
+    Bytes decide it: the gather path reads one expert's weights per pair (N * top_k of them, repeats
+    included), the grouped path reads the experts' weights once whatever N (only the chosen ones in
+    a grouped GEMM that skips empty groups; all E, at E times the arithmetic, where a backend lowers
+    ragged_dot to a padded dense dot). Below E pairs the gather reads fewer than E experts; from E
+    on it would read more than all of them. benchmarks/step_times.py times both paths per N."""
+    return "gather" if num_tokens * top_k < num_experts else "grouped"
+
+
+def moe(p, cfg: ModelConfig, x, path: str = "auto"):
     """Sparse MoE with softmax top-k router and optional sigmoid-gated shared expert. x [N, H].
 
-    With fewer (token, expert) pairs than experts (N * top_k < E: decode and short verify spans) only
-    the chosen experts' weights are gathered and read; otherwise every expert is evaluated densely
-    and weighted by its routing weight (zero when not chosen), reading each expert's weights once.
-    Both are exact and shape-static (N is static, so the path is picked at trace time); a grouped
-    (ragged) expert matmul would serve the large-N case with less arithmetic.
+    path "auto" picks by moe_path (N is static, so at trace time): "gather" reads only the chosen
+    experts' weights (decode, short verify spans); "grouped" sorts the (token, expert) pairs by
+    expert and runs grouped matmuls (jax.lax.ragged_dot), one row per pair, so the arithmetic is
+    N * top_k expert evaluations whatever E. Both are exact; the benchmarks may force either.
     """
     router_probs = jax.nn.softmax((x @ p["router"]).astype(F32), axis=-1)  # [N, E]
     top_w, top_i = jax.lax.top_k(router_probs, cfg.num_experts_per_tok)  # [N, k]
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    if x.shape[0] * cfg.num_experts_per_tok < cfg.num_experts:
-        out = _gathered_experts(p, x, top_w.astype(x.dtype), top_i)
-    else:
-        weights = jnp.zeros_like(router_probs).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_w)  # [N, E]
-        gate = jnp.einsum("nh,ehi->nei", x, p["gate"])
-        up = jnp.einsum("nh,ehi->nei", x, p["up"])
-        expert_out = jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"])  # [N, E, H]
-        out = jnp.einsum("ne,neh->nh", weights.astype(x.dtype), expert_out)
+    if path == "auto":
+        path = moe_path(x.shape[0], cfg.num_experts, cfg.num_experts_per_tok)
+    out = EXPERT_PATHS[path](p, x, top_w.astype(x.dtype), top_i)
     if "shared" in p:
         shared = mlp(p["shared"], x)
         out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * shared
@@ -88,6 +94,40 @@ def _gathered_experts(p, x, top_w, top_i):
     gate, up, down = p["gate"][top_i], p["up"][top_i], p["down"][top_i]  # [N, k, H, I], [N, k, H, I], [N, k, I, H]
     h = jax.nn.silu(jnp.einsum("nh,nkhi->nki", x, gate)) * jnp.einsum("nh,nkhi->nki", x, up)
     return jnp.einsum("nk,nkh->nh", top_w, jnp.einsum("nki,nkih->nkh", h, down))
+
+
+def _grouped_experts(p, x, top_w, top_i):
+    """The same sum as _gathered_experts through grouped matmuls. x [N, H]; top_w [N, k]; top_i [N, k] -> [N, H].
+
+    Pair j = (token j // k, slot j % k). The pairs are sorted by expert (stable), so expert e owns
+    the contiguous rows sizes[0] + ... + sizes[e-1] onward; ragged_dot multiplies each run by its
+    expert's weights (an expert with no pairs owns no rows). The outputs are put back in pair order
+    (a gather by the inverse permutation: deterministic, no atomics) and summed over the k slots."""
+    N, k = top_i.shape
+    E = p["gate"].shape[0]
+    pairs = top_i.reshape(N * k)  # [P] expert of each pair
+    order = jnp.argsort(pairs, stable=True)  # [P] pair index at each sorted row
+    sizes = jnp.bincount(pairs, length=E).astype(jnp.int32)  # [E] rows per expert, in expert order
+    xs = x[order // k]  # [P, H] token rows, sorted by expert
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], sizes)) * jax.lax.ragged_dot(xs, p["up"], sizes)  # [P, I]
+    ys = jax.lax.ragged_dot(h, p["down"], sizes)  # [P, H] sorted rows
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))  # [P] sorted row of pair
+    return jnp.einsum("nk,nkh->nh", top_w, ys[inverse].reshape(N, k, -1))
+
+
+def _dense_experts(p, x, top_w, top_i):
+    """Every expert on every token, weighted by its routing weight (zero when not chosen): E / top_k
+    times the needed arithmetic, each expert's weights read once. Never picked by moe_path; kept as
+    the measured baseline and the fallback for a backend whose ragged_dot is a padded dense dot
+    (that costs top_k times this). x [N, H]; top_w [N, k]; top_i [N, k] -> [N, H]."""
+    N, E = x.shape[0], p["gate"].shape[0]
+    weights = jnp.zeros((N, E), x.dtype).at[jnp.arange(N)[:, None], top_i].set(top_w)  # [N, E]
+    gate, up = jnp.einsum("nh,ehi->nei", x, p["gate"]), jnp.einsum("nh,ehi->nei", x, p["up"])  # [N, E, I]
+    return jnp.einsum("ne,neh->nh", weights, jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"]))
+
+
+# f(p, x, top_w, top_i) -> [N, H]; moe(path=...) names one, moe_path picks gather or grouped.
+EXPERT_PATHS = {"gather": _gathered_experts, "grouped": _grouped_experts, "dense": _dense_experts}
 
 
 def feed_forward(layer, cfg: ModelConfig, x):

@@ -1,8 +1,14 @@
 """The sparse MoE block (models/layers.moe): the gathered path (N * top_k < E, decode and short spans)
-and the dense path both equal a per-token float64 loop over the chosen experts."""
+and the grouped path (ragged_dot over expert-sorted pairs), and the dense fallback, equal a per-token float64 loop over
+the chosen experts, in float32 tightly and in bfloat16 by relative RMS, with tokens routed evenly or
+piled onto a few experts (most experts get no rows)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -10,7 +16,7 @@ from jaxspec import demo
 from jaxspec.config import ModelConfig
 from jaxspec.models import layers
 
-E, K, H, INTER = 16, 2, 32, 24  # gathered for N < 8, dense from N = 8
+E, K, H, INTER = 16, 2, 32, 24  # auto: gathered for N < 8, grouped from N = 8
 
 
 def config(norm_topk: bool) -> ModelConfig:
@@ -19,31 +25,74 @@ def config(norm_topk: bool) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def reference(p, x, norm_topk: bool) -> np.ndarray:
+def reference(p, x, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(out [N, H], rows per expert [E]) by a float64 loop over tokens and their chosen experts."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
-    out = []
+    out, counts = [], np.zeros(E, int)
     for row in np.asarray(x, np.float64):
         logits = row @ p["router"]
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         chosen = np.argsort(-probs, kind="stable")[:K]
+        counts[chosen] += 1
         w = probs[chosen] / (probs[chosen].sum() if norm_topk else 1.0)
         acc = np.zeros(H)
         for e, we in zip(chosen, w, strict=True):
             g, u = row @ p["gate"][e], row @ p["up"][e]
             acc += we * ((g / (1 + np.exp(-g)) * u) @ p["down"][e])
         out.append(acc)
-    return np.stack(out)
+    return np.stack(out), counts
+
+
+def inputs(n: int, seed: int, uneven: bool = False):
+    """Random expert weights and x [n, H]. uneven: feature 0 is a large positive constant and the
+    router's row 0 favours experts 0..2 and shuns 6..15, so most experts get no rows."""
+    rng = np.random.default_rng(seed)
+    p = {"router": rng.standard_normal((H, E)), "gate": rng.standard_normal((E, H, INTER)) / H**0.5,
+         "up": rng.standard_normal((E, H, INTER)) / H**0.5, "down": rng.standard_normal((E, INTER, H)) / INTER**0.5}
+    x = rng.standard_normal((n, H))
+    if uneven:
+        x[:, 0] = 3.0
+        p["router"][0] = np.where(np.arange(E) < 3, 3.0, np.where(np.arange(E) >= 6, -3.0, 0.0))
+    return {k: np.asarray(v, np.float32) for k, v in p.items()}, x.astype(np.float32)
+
+
+def rel_rms(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
 @pytest.mark.parametrize("n", [1, 3, 7, 8, 12])
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_equals_a_per_token_loop(n, norm_topk):
-    rng = np.random.default_rng(n)
-    p = {"router": rng.standard_normal((H, E)), "gate": rng.standard_normal((E, H, INTER)) / H**0.5,
-         "up": rng.standard_normal((E, H, INTER)) / H**0.5, "down": rng.standard_normal((E, INTER, H)) / INTER**0.5}
-    p = {k: np.asarray(v, np.float32) for k, v in p.items()}
-    x = rng.standard_normal((n, H)).astype(np.float32)
-    got = np.asarray(layers.moe(p, config(norm_topk), x), np.float64)
-    want = reference(p, x, norm_topk)
-    assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 1e-5
+    p, x = inputs(n, seed=n)
+    want, _ = reference(p, x, norm_topk)
+    assert rel_rms(layers.moe(p, config(norm_topk), x), want) < 1e-5
+
+
+def test_the_switch_point_is_n_top_k_against_the_experts():
+    assert [layers.moe_path(n, E, K) for n in (1, 7, 8, 40)] == ["gather", "gather", "grouped", "grouped"]
+    assert layers.moe_path(31, 256, 8) == "gather" and layers.moe_path(32, 256, 8) == "grouped"
+
+
+ROUTINGS = [(1, False), (7, False), (8, True), (40, False), (40, True)]  # (N, uneven) across the switch at N = 8
+CASES = [(path, n, u) for path in ("gather", "grouped") for n, u in ROUTINGS] + [("dense", n, True) for n in (8, 40)]
+
+
+@pytest.mark.parametrize("path,n,uneven", CASES)
+def test_every_path_equals_the_loop_in_float32_and_bfloat16(path, n, uneven):
+    p, x = inputs(n, seed=100 + n, uneven=uneven)
+    want, counts = reference(p, x, norm_topk=True)
+    if uneven:  # the routing this case exists for: several empty experts, one crowded
+        assert (counts == 0).sum() >= 8 and counts.max() >= n // 2, counts
+    f32, bf16 = both_dtypes(p, x, path)
+    assert f32.dtype == jnp.float32 and rel_rms(f32, want) < 2e-6
+    assert bf16.dtype == jnp.bfloat16 and rel_rms(bf16, want) < 2e-2
+
+
+@functools.partial(jax.jit, static_argnames="path")
+def both_dtypes(p, x, path: str):
+    """moe in float32 and, on the same inputs rounded to bfloat16, in bfloat16 (one compile: the
+    model runs it under jit too)."""
+    low = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), (p, x))
+    return layers.moe(p, config(True), x, path=path), layers.moe(*low[:1], config(True), low[1], path=path)
