@@ -14,7 +14,9 @@ import pytest
 import jaxspec
 from jaxspec import compile as jc
 
-MODEL = ["--model", "demo:qwen3", "--max-model-len", "48", "--max-num-seqs", "2", "--prefill-chunk", "16"]
+# Two rounds per dispatch: the multi-step executables are in the table and served from the cache too.
+MODEL = ["--model", "demo:qwen3", "--max-model-len", "48", "--max-num-seqs", "2", "--prefill-chunk", "16",
+         "--rounds-per-dispatch", "2"]
 REPO = Path(__file__).resolve().parents[1]
 
 GENERATE_SCRIPT = """
@@ -23,11 +25,14 @@ import jaxspec
 from jaxspec.compile import count_compiles
 cache = sys.argv[1] if sys.argv[1] != "none" else None
 with count_compiles() as c:
-    m = jaxspec.load("demo:qwen3", max_model_len=48, max_num_seqs=2, prefill_chunk=16, cache_dir=cache)
+    m = jaxspec.load("demo:qwen3", max_model_len=48, max_num_seqs=2, prefill_chunk=16, cache_dir=cache,
+                     rounds_per_dispatch=2)
     spec = jaxspec.SpeculativeConfig("ngram", 2)
     r = jaxspec.generate(m, ["abcabcab", "hello"], max_new_tokens=6, speculative=spec)
     p = jaxspec.generate(m, ["xyz"], max_new_tokens=4)
-print(json.dumps({"tokens": r.token_ids + p.token_ids, "compiles": c.compiles, "hits": c.cache_hits}))
+    s = jaxspec.generate(m, ["xyz", "uvw"], max_new_tokens=4, temperature=0.8, top_k=5, speculative=spec)
+print(json.dumps({"tokens": r.token_ids + p.token_ids + s.token_ids, "compiles": c.compiles,
+                  "hits": c.cache_hits}))
 """
 
 
