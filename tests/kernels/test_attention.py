@@ -327,3 +327,18 @@ def test_long_spans_run_in_query_blocks():
                                      max_acc_bytes=2 * 2 * D * 4)  # two tokens per block
     mask = (np.arange(T)[None, :] < np.asarray(valid)[:, None])[..., None, None]
     np.testing.assert_allclose(np.asarray(got) * mask, np.asarray(ref) * mask, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.parametrize(("head_dim", "splits"), [(128, 8), (128, 1), (24, 4)])
+def test_kernel_lowers_to_triton(head_dim, splits):
+    """The Pallas -> Triton lowering rules (power-of-two tensors, gathers, masked loads) on CPU."""
+    import functools
+
+    from tests.kernels.test_gdn_pallas import _lower_for_cuda
+
+    R, T, nh, nkv, n_pages, page, P, bf, i = 2, 4, 8, 2, 64, 16, 32, jnp.bfloat16, jnp.int32
+    fn = functools.partial(paged_attention_pallas, scale=0.1, num_splits=splits)
+    pool = ((n_pages, page, nkv, head_dim), bf)
+    hlo = _lower_for_cuda(fn, ((R, T, nh, head_dim), bf), pool, pool, ((R, P), i), ((R,), i), ((R,), i))
+    assert "paged_span_attention" in hlo
