@@ -200,7 +200,6 @@ def test_pallas_interpret_bfloat16(case):
 # last row is padding. Splits go past the longest row's blocks (empty splits must merge as nothing).
 SPLIT_STARTS = (5, 100, 40)
 SPLIT_CASES = [  # (T, GQA group, splits)
-    (1, 1, 3),
     (2, 2, 4),
     (4, 4, 2),
     (8, 2, 5),
