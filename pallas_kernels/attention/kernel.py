@@ -123,8 +123,7 @@ def _attention_kernel(
     col = jnp.arange(dp, dtype=jnp.int32)
     cols = pl.program_id(1) * head_dim + col  # [Dp] this kv head's columns (past D: masked)
 
-    def load_block(ref, j):  # keys j * block_k .. + block_k of this request -> [block_k, Dp]
-        rows = bt_ref[j * pages_per_block + key // page_size] * page_size + key % page_size
+    def load(ref, rows):  # rows [block_k] of the pool, this kv head's columns -> [block_k, Dp]
         if dp == head_dim:
             return ref[rows[:, None], cols[None, :]]
         return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=(col < head_dim)[None, :], other=0.0)
@@ -133,7 +132,9 @@ def _attention_kernel(
 
     def body(j, carry):
         acc, m_prev, l_prev = carry  # [M, Dp], [M], [M] float32
-        k, v = load_block(k_ref, j), load_block(v_ref, j)
+        # Pool rows of keys j * block_k .. + block_k of this request (block table -> page -> row).
+        rows = bt_ref[j * pages_per_block + key // page_size] * page_size + key % page_size
+        k, v = load(k_ref, rows), load(v_ref, rows)
         s = _dot(q, k, contract_b=1) * scale  # q k^T: [M, block_k] float32
         mask = ((j * block_k + key)[None, :] <= row_pos[:, None]) & row_ok[:, None]
         s = jnp.where(mask, s, MASK_VALUE)
