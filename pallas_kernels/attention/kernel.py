@@ -215,7 +215,11 @@ def _sm_count() -> int:
 
 
 # Split the KV until about this many programs per SM are launched, each split holding at least
-# one block; more splits only add partials to merge.
+# one block; more splits only add partials to merge. Measured on one H200 (jax 0.11.2, Qwen3-4B
+# heads 32 / 8 x 128, bfloat16, T = 1, us per call with the merge, 8 calls per executable,
+# pipelined; a condensed copy of this kernel): batch 1 over 512 / 8k / 32k cached tokens 9.2 /
+# 27 / 54 split-KV vs 19 / 230 / 870 one-pass; batch 32 over 512: 28.5 vs 30.6. 32-key blocks
+# or 8 warps were no faster.
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
