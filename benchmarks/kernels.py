@@ -6,10 +6,12 @@ recurrence also runs its Mosaic GPU kernel (impl "mosaic"), so the Triton-vs-Mos
 is measured in the same run.
 
 Kernels: gdn_verify (recurrent, T = 1+k, one fp32 state snapshot per token; floor = state read
-once + T snapshots written + q/k/v/o), paged span attention (T = 1+k queries over --context cached
-tokens; reported also as t(1+k) / t(1)), the conv window update (verify mode) and the chunked GDN
-prefill. One jitted call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV
-pages rotated so repeated calls do not just hit the 60 MB L2) and the time is per kernel call.
+once + T snapshots written + q/k/v/o), paged span attention (T = 1 + --attn-ks queries over each of
+--contexts cached tokens; impls xla, pallas = split-KV, pallas_onepass = one program per (request,
+kv head); floor = KV read + q/out over the bandwidth plus one kernel launch, measured; reported also
+as t(1+k) / t(1)), the conv window update (verify mode) and the chunked GDN prefill. One jitted
+call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV pages rotated so
+repeated calls do not just hit the 60 MB L2) and the time is per kernel call.
 fla runs through torch with triton.testing.do_bench (L2 flushed between calls); its recurrent
 kernel writes only the final state, not one snapshot per token, so it is a lower bound on the
 verify's work. GDN kernels are imported lazily: a missing or failing kernel is skipped and the
@@ -40,12 +42,13 @@ ATTN_LAYOUTS = {"qwen3-4b": (32, 8, 128), "qwen3.5-2b": (8, 2, 256), "qwen3.5-27
 SMOKE_GDN = {"demo": (2, 4, 32, 32)}
 SMOKE_ATTN = {"demo": (4, 2, 32)}
 KERNELS = ("gdn_verify", "attention", "conv", "prefill")
-IMPLS = ("xla", "pallas", "mosaic")
+IMPLS = ("xla", "pallas", "pallas_onepass", "mosaic")
+ONLY_FOR = {"mosaic": "gdn_verify", "pallas_onepass": "attention"}  # impls that exist for one kernel
 CONV_K, PAGE, KMAX = 4, 16, 15
 L2_BYTES = 256 * 2**20  # rotate inputs until one pass covers this many bytes (L2 is 60 MB)
 
-SMOKE = dict(batches="1", ks="0,3", context=32, prefill_lens="16", prefill_batches="1", reps=2, repeats=3,
-             compile_threads=2, bandwidth_gib=1 / 32)
+SMOKE = dict(batches="1", ks="0,3", attn_ks="0,3", contexts="32", prefill_lens="16", prefill_batches="1", reps=2,
+             repeats=3, compile_threads=2, bandwidth_gib=1 / 32)
 
 
 def parse(argv=None):
@@ -54,20 +57,22 @@ def parse(argv=None):
     p.add_argument("--layouts", default=None, help="GDN / attention layouts (default: all)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--ks", default="0,3,7,15", help="draft lengths; kernels run T = 1+k")
-    p.add_argument("--context", type=int, default=2048, help="cached tokens for the attention kernel")
+    p.add_argument("--attn-ks", default="0,3,7", help="draft lengths for the attention kernel (T = 1+k)")
+    p.add_argument("--contexts", default="512,8192,32768", help="cached tokens per row for the attention kernel")
     p.add_argument("--prefill-lens", default="64,512", help="prompt chunk lengths for the prefill kernel")
     p.add_argument("--prefill-batches", default="1,8")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
-    p.add_argument("--impls", default="xla,pallas,mosaic",
-                   help="implementations to time (mosaic: gdn_verify only, on a GPU)")
+    p.add_argument("--impls", default="xla,pallas,pallas_onepass,mosaic",
+                   help="implementations to time (mosaic: gdn_verify only, on a GPU; pallas_onepass: attention "
+                        "only, the kernel without KV splits)")
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention comparison")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
     p.add_argument("--bandwidth-gib", type=float, default=4.0)
     args = common.parse_args(p, argv, SMOKE)
     common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
     common.check_choices("--impls", args.impls, IMPLS, "implementation")
-    if max(common.int_list(args.ks)) > KMAX:
-        raise SystemExit(f"--ks: k <= {KMAX}")
+    if max(common.int_list(args.ks) + common.int_list(args.attn_ks)) > KMAX:
+        raise SystemExit(f"--ks / --attn-ks: k <= {KMAX}")
     return args
 
 
@@ -204,21 +209,36 @@ def _conv_fn(api, impl: str, reps: int):
     return jax.jit(run, donate_argnums=0)
 
 
-def _attn_inputs(rng, layout, B: int, T: int, context: int, reps: int):
+def _attn_pages(layout, B: int, context: int, reps: int, cache: dict):
+    """(k, v pools, pages per row, rotation), shared by every T and impl of one (B, context): each
+    rotation holds B rows of context + KMAX + 1 tokens; drawn on the device (GBs at 32k tokens)."""
+    import jax
+    import jax.numpy as jnp
+
+    if (B, context) not in cache:
+        cache.clear()  # one (B, context) at a time: the pools may be GBs
+        nH, nKV, D = layout
+        P = -(-(context + KMAX + 1) // PAGE)
+        rot = _rot(B * context * nKV * D * 2 * 2, reps)
+        keys = jax.random.split(jax.random.PRNGKey(B * 100003 + context), 2)
+        shape = (1 + rot * B * P, PAGE, nKV, D)
+        cache[(B, context)] = ([jax.random.normal(k, shape, jnp.bfloat16) for k in keys], P, rot)
+    return cache[(B, context)]
+
+
+def _attn_inputs(rng, layout, B: int, T: int, context: int, reps: int, cache: dict):
     import jax.numpy as jnp
 
     nH, nKV, D = layout
-    P = -(-(context + T) // PAGE)
+    pages, P, rot = _attn_pages(layout, B, context, reps, cache)
     kv = B * (context + T) * nKV * D * 2 * 2
-    rot = _rot(kv, reps)
-    pages = [_normal(rng, (1 + rot * B * P, PAGE, nKV, D), jnp.bfloat16) for _ in range(2)]
     per = []
     for r in range(reps):
         first = 1 + ((r % rot) * B + np.arange(B)) * P
         per.append(dict(q=_normal(rng, (B, T, nH, D), jnp.bfloat16),
                         tables=jnp.asarray(first[:, None] + np.arange(P)[None, :], jnp.int32)))
     fixed = dict(start=jnp.full((B,), context, jnp.int32), nv=jnp.full((B,), T, jnp.int32))
-    return pages, per, fixed, {"floor": kv + 2 * B * T * nH * D * 2}, rot
+    return pages, per, fixed, {"kv": kv, "floor": kv + 2 * B * T * nH * D * 2}, rot
 
 
 def _attn_fn(api, impl: str, reps: int, scale: float):
@@ -241,13 +261,44 @@ def _attn_fn(api, impl: str, reps: int, scale: float):
 # ------------------------------------------------------------------------------------------------
 
 
-def _configs(kernel: str, args) -> list[tuple[int, int]]:
+def _configs(kernel: str, args) -> list[tuple[int, int, int | None]]:
+    """(B, T, context) per config; context is None but for attention."""
     if kernel == "prefill":
-        return [(B, T) for B in common.int_list(args.prefill_batches) for T in common.int_list(args.prefill_lens)]
-    return [(B, 1 + k) for B in common.int_list(args.batches) for k in common.int_list(args.ks)]
+        return [(B, T, None) for B in common.int_list(args.prefill_batches) for T in common.int_list(args.prefill_lens)]
+    if kernel == "attention":
+        return [(B, 1 + k, c) for B in common.int_list(args.batches) for c in common.int_list(args.contexts)
+                for k in common.int_list(args.attn_ks)]
+    return [(B, 1 + k, None) for B in common.int_list(args.batches) for k in common.int_list(args.ks)]
 
 
-def _build(kernel: str, api, layout, B: int, T: int, impl: str, args, rng):
+def measure_launch_us(repeats: int, n: int = 32) -> float:
+    """Device time of one kernel launch: a jitted chain of n tiny dependent Pallas (Triton) calls,
+    pipelined, per call. The attention floor adds it once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.attention.kernel import _triton_compiler_params, ignore_triton_deprecation
+
+    def add_one(x_ref, o_ref):  # x, o: [16, 16] float32
+        o_ref[...] = x_ref[...] + 1.0
+
+    one = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                         compiler_params=_triton_compiler_params(1, 1), interpret=jax.default_backend() == "cpu")
+
+    def chain(x):
+        for _ in range(n):
+            x = one(x)
+        return x
+
+    x = jnp.zeros((16, 16), jnp.float32)
+    with ignore_triton_deprecation():
+        fn = jax.jit(chain).lower(x).compile()
+    t = common.time_steps(lambda: fn(x), warmup=2, repeats=repeats, pipeline=4)
+    return t["pipelined"]["median_ms"] * 1e3 / n
+
+
+def _build(kernel: str, api, layout, B: int, T: int, ctx, impl: str, args, rng, cache: dict):
     """(jitted fn, [state, per, fixed], bytes, rotation) for one config and implementation."""
     if kernel == "gdn_verify":
         state, per, fixed, nbytes, rot = _gdn_inputs(rng, layout, B, T, args.reps)
@@ -260,45 +311,19 @@ def _build(kernel: str, api, layout, B: int, T: int, impl: str, args, rng):
     if kernel == "conv":
         state, per, fixed, nbytes, rot = _conv_inputs(rng, layout, B, T, T - 1, args.reps)
         return _conv_fn(api, impl, args.reps), [state, per, fixed], nbytes, rot
-    state, per, fixed, nbytes, rot = _attn_inputs(rng, layout, B, T, args.context, args.reps)
+    state, per, fixed, nbytes, rot = _attn_inputs(rng, layout, B, T, ctx, args.reps, cache)
     return _attn_fn(api, impl, args.reps, layout[2] ** -0.5), [state, per, fixed], nbytes, rot
 
 
-def run_layout(kernel: str, name: str, layout, api, args, res, bandwidth: float) -> None:
-    import jax
-    import jax.numpy as jnp
+def _impls(kernel: str, args, on_gpu: bool) -> list[str]:
+    wanted = [i for i in args.impls.split(",") if ONLY_FOR.get(i, kernel) == kernel]
+    return [i for i in wanted if i != "mosaic" or on_gpu]
 
-    rng = np.random.default_rng(0)
-    built, makers = {}, {}
-    on_gpu = jax.default_backend() == "gpu"
-    impls = [i for i in args.impls.split(",") if i != "mosaic" or (kernel == "gdn_verify" and on_gpu)]
-    for B, T in _configs(kernel, args):
-        for impl in impls:
-            try:
-                fn, call_args, nbytes, rot = _build(kernel, api, layout, B, T, impl, args, rng)
-            except Exception as e:
-                res.error(f"{kernel} {name} B={B} T={T} {impl} (inputs)", e)
-                continue
-            built[(B, T, impl)] = (call_args, nbytes, rot)
-            makers[(B, T, impl)] = functools.partial(fn.lower, *call_args)
-    if built:  # host cost of dispatching one call with this many arguments (device work: none)
-        first = next(iter(built.values()))[0]
-        makers["dispatch"] = functools.partial(jax.jit(lambda *a: jnp.float32(0), keep_unused=True).lower, *first)
-    compiled, errors, _, wall = common.lower_and_compile(makers, args.compile_threads)
-    log(f"{kernel} {name}: lowered and compiled {len(compiled)} in {wall:.1f}s"
-        + (f", {len(errors)} failed" if errors else ""))
-    dispatch_us = None
-    if "dispatch" in compiled:
-        empty = compiled.pop("dispatch")
-        first = next(iter(built.values()))[0]
-        t = common.time_steps(lambda: empty(*first), warmup=2, repeats=args.repeats, pipeline=4)
-        dispatch_us = t["pipelined"]["median_ms"] * 1e3
-        res.data.setdefault("dispatch_us", {})[f"{kernel} {name}"] = dispatch_us
-    for key, err in errors.items():
-        what = "dispatch probe" if key == "dispatch" else f"B={key[0]} T={key[1]} {key[2]}"
-        res.data["errors"].append({"what": f"{kernel} {name} {what}", "error": err})
+
+def _time_configs(kernel: str, name: str, built: dict, compiled: dict, args, res, bandwidth: float,
+                  dispatch_us, launch_us) -> None:
     for key, exe in compiled.items():
-        B, T, impl = key
+        B, T, ctx, impl = key
         (state, per, fixed), nbytes, rot = built[key]
         st = {"state": state}
 
@@ -315,24 +340,64 @@ def run_layout(kernel: str, name: str, layout, api, args, res, bandwidth: float)
             continue
         us = timing["pipelined"]["median_ms"] * 1e3 / args.reps
         floor_us = nbytes["floor"] / bandwidth * 1e6
+        extra = {}
+        if kernel == "attention":  # bytes over the bandwidth plus one launch
+            extra = {"context": ctx, "floor_bytes_us": floor_us, "launch_us": launch_us}
+            floor_us += launch_us or 0.0
         # Host-bound when one call's device work is not longer than dispatching an empty call with
         # the same arguments: then `us` is an upper bound on the kernel time.
         host_bound = dispatch_us is not None and us * args.reps < 1.2 * dispatch_us
         res.data["results"].append({"kernel": kernel, "layout": name, "B": B, "T": T, "k": T - 1, "impl": impl,
                                     "us": us, "floor_us": floor_us, "ratio_to_floor": us / floor_us,
                                     "host_bound": host_bound, "dispatch_us_per_call": dispatch_us,
-                                    "bytes": nbytes, "rotation": rot, "reps": args.reps, "timing": timing})
+                                    "bytes": nbytes, "rotation": rot, "reps": args.reps, "timing": timing, **extra})
+
+
+def run_layout(kernel: str, name: str, layout, api, args, res, bandwidth: float, launch_us=None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    built, makers, cache = {}, {}, {}
+    for B, T, ctx in _configs(kernel, args):
+        for impl in _impls(kernel, args, jax.default_backend() == "gpu"):
+            try:
+                fn, call_args, nbytes, rot = _build(kernel, api, layout, B, T, ctx, impl, args, rng, cache)
+            except Exception as e:
+                res.error(f"{kernel} {name} B={B} T={T} {impl} (inputs)", e)
+                continue
+            built[(B, T, ctx, impl)] = (call_args, nbytes, rot)
+            makers[(B, T, ctx, impl)] = functools.partial(fn.lower, *call_args)
+    if built:  # host cost of dispatching one call with this many arguments (device work: none)
+        first = next(iter(built.values()))[0]
+        makers["dispatch"] = functools.partial(jax.jit(lambda *a: jnp.float32(0), keep_unused=True).lower, *first)
+    compiled, errors, _, wall = common.lower_and_compile(makers, args.compile_threads)
+    log(f"{kernel} {name}: lowered and compiled {len(compiled)} in {wall:.1f}s"
+        + (f", {len(errors)} failed" if errors else ""))
+    dispatch_us = None
+    if "dispatch" in compiled:
+        empty = compiled.pop("dispatch")
+        first = next(iter(built.values()))[0]
+        t = common.time_steps(lambda: empty(*first), warmup=2, repeats=args.repeats, pipeline=4)
+        dispatch_us = t["pipelined"]["median_ms"] * 1e3
+        res.data.setdefault("dispatch_us", {})[f"{kernel} {name}"] = dispatch_us
+    for key, err in errors.items():
+        what = "dispatch probe" if key == "dispatch" else f"B={key[0]} T={key[1]} ctx={key[2]} {key[3]}"
+        res.data["errors"].append({"what": f"{kernel} {name} {what}", "error": err})
+    _time_configs(kernel, name, built, compiled, args, res, bandwidth, dispatch_us, launch_us)
     _relative_to_one_token(res.data["results"], kernel, name)
     res.save()
 
 
 def _relative_to_one_token(results: list[dict], kernel: str, name: str) -> None:
-    """us(T) / us(T=1) per (B, impl): what a 1+k span costs over a decode token."""
-    one = {(r["B"], r["impl"]): r["us"] for r in results
-           if r["kernel"] == kernel and r["layout"] == name and r["T"] == 1}
+    """us(T) / us(T=1) per (B, context, impl): what a 1+k span costs over a decode token."""
+    def key(r):
+        return r["B"], r.get("context"), r["impl"]
+
+    one = {key(r): r["us"] for r in results if r["kernel"] == kernel and r["layout"] == name and r["T"] == 1}
     for r in results:
-        if r["kernel"] == kernel and r["layout"] == name and (r["B"], r["impl"]) in one:
-            r["over_one_token"] = r["us"] / one[(r["B"], r["impl"])]
+        if r["kernel"] == kernel and r["layout"] == name and key(r) in one:
+            r["over_one_token"] = r["us"] / one[key(r)]
 
 
 def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
@@ -341,7 +406,7 @@ def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
     import triton
 
     HK, HV, dk, dv = layout
-    for B, T in _configs(kernel, args):
+    for B, T, _ in _configs(kernel, args):
         q, k, v = (torch.randn(B, T, h, d, device="cuda", dtype=torch.bfloat16)
                    for h, d in ((HK, dk), (HK, dk), (HV, dv)))
         g = -torch.nn.functional.softplus(torch.randn(B, T, HV, device="cuda", dtype=torch.float32))
@@ -368,20 +433,23 @@ def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
 def print_tables(res) -> None:
     by = {}
     for r in res.data["results"]:
-        by.setdefault((r["kernel"], r["layout"], r["B"], r["T"]), {})[r["impl"]] = r
+        by.setdefault((r["kernel"], r["layout"], r["B"], r.get("context"), r["T"]), {})[r["impl"]] = r
     rows = []
-    for (kernel, layout, B, T), impls in by.items():
+    for (kernel, layout, B, ctx, T), impls in by.items():
         x, p, f, m = impls.get("xla"), impls.get("pallas"), impls.get("fla"), impls.get("mosaic")
-        one = by.get((kernel, layout, B, 1), {}).get("pallas") if kernel == "attention" else None
-        floor = (p or x or f)["floor_us"]
-        star = {i: ("*" if r and r.get("host_bound") else "") for i, r in (("x", x), ("p", p))}
-        rows.append([kernel, layout, B, T, fmt(x and x["us"], 1) + star["x"], fmt(p and p["us"], 1) + star["p"],
-                     fmt(m and m["us"], 1), fmt(f and f["us"], 1),
-                     fmt(floor, 1), fmt(p and p["us"] / floor), fmt(x and p and x["us"] / p["us"]),
+        o = impls.get("pallas_onepass")
+        one = by.get((kernel, layout, B, ctx, 1), {}).get("pallas") if kernel == "attention" else None
+        floor = (p or x or f or o)["floor_us"]
+        star = {i: ("*" if r and r.get("host_bound") else "") for i, r in (("x", x), ("p", p), ("o", o))}
+        rows.append([kernel, layout, B, "" if ctx is None else ctx, T, fmt(x and x["us"], 1) + star["x"],
+                     fmt(p and p["us"], 1) + star["p"], fmt(o and o["us"], 1) + star["o"], fmt(m and m["us"], 1),
+                     fmt(f and f["us"], 1), fmt(floor, 1), fmt(p and p["us"] / floor),
+                     fmt(x and p and x["us"] / p["us"]), fmt(o and p and o["us"] / p["us"]),
                      fmt(one and p and p["us"] / one["us"])])
-    print("\nkernels (us per call; floor = bytes / measured bandwidth; * = host-bound: an upper bound)")
-    print(common.format_table(rows, ["kernel", "layout", "B", "T", "xla", "pallas", "mosaic", "fla", "floor",
-                                     "pallas/floor", "xla/pallas", "t(T)/t(1)"]))
+    print("\nkernels (us per call; floor = bytes / measured bandwidth, + one launch for attention; * = host-bound: "
+          "an upper bound; 1-pass = attention without KV splits)")
+    print(common.format_table(rows, ["kernel", "layout", "B", "ctx", "T", "xla", "pallas", "1-pass", "mosaic", "fla",
+                                     "floor", "pallas/floor", "xla/pallas", "1-pass/pallas", "t(T)/t(1)"]))
 
 
 def main(argv=None) -> int:
@@ -395,6 +463,14 @@ def main(argv=None) -> int:
     gdn_layouts = SMOKE_GDN if args.smoke else GDN_LAYOUTS
     attn_layouts = SMOKE_ATTN if args.smoke else ATTN_LAYOUTS
     wanted = set(args.layouts.split(",")) if args.layouts else None
+    launch_us = None
+    if "attention" in args.kernels.split(","):
+        try:
+            launch_us = measure_launch_us(args.repeats)
+            res.data["launch_us"] = launch_us
+            log(f"one kernel launch {launch_us:.2f} us")
+        except Exception as e:
+            res.error("launch probe", e)
     fla, fla_reason = (None, "--no-fla") if args.no_fla else _fla()
     res.data["fla"] = {"available": fla is not None, "reason": fla_reason}
     if fla is None:
@@ -417,7 +493,7 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                run_layout(kernel, name, layout, api, args, res, bw["bytes_per_s"])
+                run_layout(kernel, name, layout, api, args, res, bw["bytes_per_s"], launch_us)
                 if fla is not None and kernel in ("gdn_verify", "prefill") and budget.allows():
                     run_fla(kernel, name, layout, fla, args, res)
             except Exception as e:

@@ -6,13 +6,15 @@ Models call this through `jaxspec/ops.py`; the KV write is shared by both implem
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.kernel import ignore_triton_deprecation, paged_attention_pallas
+from pallas_kernels.attention.kernel import ignore_triton_deprecation, padded_head_dim, paged_attention_pallas
 from pallas_kernels.attention.reference import paged_attention as paged_attention_xla
 from pallas_kernels.attention.reference import write_kv
 
 __all__ = ["ignore_triton_deprecation", "paged_attention", "write_kv"]
 
-IMPLEMENTATIONS = ("xla", "pallas")
+# "pallas" is the split-KV kernel (kernel.py); "pallas_onepass" the same kernel with one split per
+# (request, kv head) and no merge, the previous default, kept for A/B timing (benchmarks/kernels.py).
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_onepass")
 
 
 def paged_attention(
@@ -26,19 +28,24 @@ def paged_attention(
     scale: float,
     implementation: str = "xla",
     interpret: bool | None = None,
+    num_splits: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of a T-token span over paged KV; `[R, T, nH, D]` in `q.dtype`.
 
-    See `reference.paged_attention` for the contract. `implementation` is "xla" (pure JAX) or
-    "pallas"; for Pallas, `interpret` defaults to True when the default backend is CPU.
+    See `reference.paged_attention` for the contract. `implementation` is "xla" (pure JAX),
+    "pallas" (split-KV kernel; `num_splits` None picks the split count from the batch and the
+    block table) or "pallas_onepass" (one split). For Pallas, `interpret` defaults to True when
+    the default backend is CPU. Any head dim works.
     """
     args = (q, k_pages, v_pages, block_tables, start_pos, num_valid)
     if implementation == "xla":
         return paged_attention_xla(*args, scale=scale)
-    if implementation == "pallas":
+    if implementation in ("pallas", "pallas_onepass"):
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        return _pallas_in_span_blocks(*args, scale=scale, interpret=interpret)
+        if implementation == "pallas_onepass":
+            num_splits = 1
+        return _pallas_in_span_blocks(*args, scale=scale, interpret=interpret, num_splits=num_splits)
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
 
 
@@ -51,6 +58,7 @@ MAX_ACC_BYTES = 64 * 1024
 
 def span_block(span: int, group: int, head_dim: int, max_acc_bytes: int = MAX_ACC_BYTES) -> int:
     """Query tokens per kernel call: the largest power of two whose accumulator fits."""
+    head_dim = padded_head_dim(head_dim)
     block = 1
     while block * 2 <= span and block * 2 * group * head_dim * 4 <= max_acc_bytes:
         block *= 2
@@ -58,16 +66,15 @@ def span_block(span: int, group: int, head_dim: int, max_acc_bytes: int = MAX_AC
 
 
 def _pallas_in_span_blocks(q, k_pages, v_pages, block_tables, start_pos, num_valid, *, scale, interpret,
-                           max_acc_bytes: int = MAX_ACC_BYTES):
+                           num_splits=None, max_acc_bytes: int = MAX_ACC_BYTES):
     span, nh, d = q.shape[1], q.shape[2], q.shape[3]
     block = span_block(span, nh // k_pages.shape[2], d, max_acc_bytes)
+    kw = dict(scale=scale, interpret=interpret, num_splits=num_splits)
     if block >= span:
-        return paged_attention_pallas(q, k_pages, v_pages, block_tables, start_pos, num_valid, scale=scale,
-                                      interpret=interpret)
+        return paged_attention_pallas(q, k_pages, v_pages, block_tables, start_pos, num_valid, **kw)
     outs = []
     for t0 in range(0, span, block):  # static loop over query blocks
         t1 = min(t0 + block, span)
         valid = jnp.clip(num_valid - t0, 0, t1 - t0)
-        outs.append(paged_attention_pallas(q[:, t0:t1], k_pages, v_pages, block_tables, start_pos + t0, valid,
-                                           scale=scale, interpret=interpret))
+        outs.append(paged_attention_pallas(q[:, t0:t1], k_pages, v_pages, block_tables, start_pos + t0, valid, **kw))
     return jnp.concatenate(outs, axis=1)

@@ -6,7 +6,9 @@ in place (`input_output_aliases`), so donate them under jit to avoid a copy.
 """
 
 import jax
+import jax.numpy as jnp
 
+from pallas_kernels.attention.kernel import MIN_DOT
 from pallas_kernels.gated_delta import reference
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
@@ -30,6 +32,40 @@ def _use_pallas(implementation: str, interpret: bool | None) -> tuple[bool, bool
     return implementation == "pallas", interpret
 
 
+def _kernel_dims(dk: int, dv: int, *, min_dim: int) -> tuple[int, int]:
+    """(dk, dv) the Triton kernels accept: powers of two, at least `min_dim`."""
+    def fit(d):
+        return max(min_dim, 1 << (d - 1).bit_length())
+    return fit(dk), fit(dv)
+
+
+def _padded(kernel, q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, min_dim: int, **kw):
+    """Run `kernel` (same contract as the references) with dk / dv zero-padded to kernel sizes.
+
+    Zero columns of q and k and a zero-padded start state leave the real part of every state and
+    readout unchanged (the padded rows / columns stay 0). The pool keeps its layout: the B start
+    states are gathered into a small padded pool (slot 0 null, 1..B the reads, then one slot per
+    write), the kernel runs on that, and its written states are sliced and scattered back to
+    pool[write_idx]. Extra traffic: O(B * writes) states, never the whole pool.
+    """
+    dk, dv = q.shape[-1], v.shape[-1]
+    dkp, dvp = _kernel_dims(dk, dv, min_dim=min_dim)
+    if (dkp, dvp) == (dk, dv):
+        return kernel(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, **kw)
+    b, n_writes = read_idx.shape[0], write_idx.size
+    def pad(x, d, dp):
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - d)])
+    starts = jnp.pad(pool[read_idx], ((0, 0), (0, 0), (0, dkp - dk), (0, dvp - dv)))  # [B, HV, dkp, dvp]
+    small = jnp.concatenate([jnp.zeros((1, *starts.shape[1:]), pool.dtype), starts,
+                             jnp.zeros((n_writes, *starts.shape[1:]), pool.dtype)])
+    small_read = jnp.arange(1, b + 1, dtype=jnp.int32)
+    small_write = (1 + b + jnp.arange(n_writes, dtype=jnp.int32)).reshape(write_idx.shape)
+    o, small = kernel(pad(q, dk, dkp), pad(k, dk, dkp), pad(v, dv, dvp), g, beta, small, small_read, small_write,
+                      has_state, num_valid, **kw)
+    written = small[1 + b:, :, :dk, :dv]  # [n_writes, HV, dk, dv], in write_idx order
+    return o[..., :dv], pool.at[write_idx.reshape(n_writes)].set(written)
+
+
 def gdn_verify(
     q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
     *, implementation: str = "xla", interpret: bool | None = None,
@@ -37,7 +73,8 @@ def gdn_verify(
     """Recurrent GDN over T = 1+k tokens with a snapshot per token -> (o [B, T, HV, dv] f32, pool).
     q, k [B, T, HK, dk]; v [B, T, HV, dv]; g, beta [B, T, HV]; pool [S, HV, dk, dv] f32;
     read_idx [B]; write_idx [B, T]; has_state [B] bool; num_valid [B].
-    implementation "mosaic" runs the Mosaic GPU kernel (recurrent_mosaic.py; no interpret mode)."""
+    implementation "mosaic" runs the Mosaic GPU kernel (recurrent_mosaic.py; no interpret mode).
+    Pallas takes any dk / dv: sizes that are not powers of two run zero-padded (`_padded`)."""
     args = (q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
     if implementation == "mosaic":
         if interpret or (interpret is None and jax.default_backend() != "gpu"):
@@ -46,7 +83,7 @@ def gdn_verify(
         return gdn_verify_mosaic(*args)
     pallas, interpret = _use_pallas(implementation, interpret)
     if pallas:
-        return gdn_verify_pallas(*args, interpret=interpret)
+        return _padded(gdn_verify_pallas, *args, min_dim=1, interpret=interpret)
     return reference.gdn_verify(*args)
 
 
@@ -62,13 +99,14 @@ def gdn_prefill(
 ):
     """Chunked GDN prefill continuing from pool[read_idx]; final state -> pool[write_idx [B]].
     Shapes as `gdn_verify`; returns (o [B, T, HV, dv] f32, pool). chunk_size None: 64 for the
-    reference, the measured best (16) for Pallas."""
+    reference, the measured best (16) for Pallas. Pallas takes any dk / dv (zero-padded to powers of
+    two >= 16 when needed, `_padded`)."""
     args = (q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
     pallas, interpret = _use_pallas(implementation, interpret)
     if pallas:
         settings = dict(PALLAS_PREFILL, **({"chunk_size": chunk_size} if chunk_size else {}))
-        block_v = min(settings.pop("block_v"), v.shape[-1])
-        return gdn_prefill_pallas(*args, block_v=block_v, interpret=interpret, **settings)
+        block_v = min(settings.pop("block_v"), _kernel_dims(1, v.shape[-1], min_dim=MIN_DOT)[1])
+        return _padded(gdn_prefill_pallas, *args, min_dim=MIN_DOT, block_v=block_v, interpret=interpret, **settings)
     return reference.gdn_prefill(*args, chunk_size=chunk_size or 64)
 
 

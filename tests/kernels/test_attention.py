@@ -1,4 +1,5 @@
-"""Paged span attention: reference vs dense numpy, Pallas vs reference, write_kv placement."""
+"""Paged span attention: reference vs dense numpy, Pallas (split-KV and one-pass) vs reference,
+the split merge, write_kv placement. GPU-only classes: `python -m pytest tests/kernels -k GPU`."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import api, reference
-from pallas_kernels.attention.kernel import paged_attention_pallas
+from pallas_kernels.attention.kernel import combine_splits, default_num_splits, paged_attention_pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 5e-3}
@@ -146,6 +147,7 @@ def pallas_vs_reference(
     n_kv=2,
     starts=(5, 13),
     valids=None,
+    num_splits=None,
 ):
     span = 1 + k
     valids = valids or [span] + [max(1, span - 2)] * (len(starts) - 1)
@@ -163,7 +165,8 @@ def pallas_vs_reference(
     step = written_step(args)
     scale = head_dim**-0.5
     want = reference.paged_attention(*step, scale=scale)
-    got = paged_attention_pallas(*step, scale=scale, interpret=interpret, pages_per_block=pages_per_block)
+    got = paged_attention_pallas(*step, scale=scale, interpret=interpret, pages_per_block=pages_per_block,
+                                 num_splits=num_splits)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
     assert not np.asarray(got[-1].astype(jnp.float32)).any(), "padding row must give zeros"
@@ -192,12 +195,81 @@ def test_pallas_interpret_bfloat16(case):
     pallas_vs_reference(3, dtype=jnp.bfloat16, interpret=True, **case)
 
 
+# Split-KV at page_size 16 with one page (16 keys) per block: the rows hold 5+T (one block, shorter
+# than any split), 100+T and 40+T keys (several blocks per split, blocks shared unevenly) and the
+# last row is padding. Splits go past the longest row's blocks (empty splits must merge as nothing).
+SPLIT_STARTS = (5, 100, 40)
+SPLIT_CASES = [  # (T, GQA group, splits)
+    (2, 2, 4),
+    (4, 4, 2),
+    (8, 2, 5),
+    (16, 1, 3),
+    (1, 4, 9),  # 9 splits > the 7 blocks of the longest row
+]
+
+
+@pytest.mark.parametrize(("span", "group", "splits"), SPLIT_CASES, ids=lambda x: str(x))
+def test_split_kv_interpret_float32(span, group, splits):
+    pallas_vs_reference(7, k=span - 1, group=group, page_size=16, pages_per_block=1, dtype=jnp.float32,
+                        interpret=True, starts=SPLIT_STARTS, num_splits=splits)
+
+
+@pytest.mark.parametrize(("span", "group", "splits"), [(4, 2, 3), (16, 4, 2)], ids=lambda x: str(x))
+def test_split_kv_interpret_bfloat16(span, group, splits):
+    pallas_vs_reference(8, k=span - 1, group=group, page_size=16, pages_per_block=1, dtype=jnp.bfloat16,
+                        interpret=True, starts=SPLIT_STARTS, num_splits=splits)
+
+
+def test_one_pass_interpret():
+    """num_splits = 1: the kernel normalises in place (no partials), as the previous kernel."""
+    pallas_vs_reference(9, k=3, group=2, page_size=16, pages_per_block=1, dtype=jnp.float32, interpret=True,
+                        starts=SPLIT_STARTS, num_splits=1)
+
+
+def _partials(logits, values, cuts):
+    """Split partials of softmax(logits) @ values over key ranges `cuts`, as the kernel writes them:
+    (acc [S, M, D], m [S, M], l [S, M]); an empty range gives m = MASK_VALUE, l = 0, acc = 0."""
+    acc, m, denom = [], [], []
+    for a, b in cuts:
+        s, v = logits[:, a:b], values[a:b]
+        mx = s.max(axis=1) if b > a else np.full(logits.shape[0], reference.MASK_VALUE)
+        p = np.exp(s - mx[:, None])
+        acc.append(p @ v), m.append(mx), denom.append(p.sum(axis=1))
+    return tuple(jnp.asarray(np.stack(x), jnp.float32) for x in (acc, m, denom))
+
+
+def test_combine_splits_rescales_and_ignores_empty_splits():
+    """Splits with different maxima (scaled logits: a missing rescale is far off), an empty split,
+    and a row no split saw (all-empty: zeros, not NaN)."""
+    rng = np.random.default_rng(10)
+    logits, values = 8 * rng.standard_normal((3, 12)), rng.standard_normal((12, 5))
+    logits[1, 7:] += 30.0  # row 1's mass sits in the last split
+    want = np.exp(logits - logits.max(1, keepdims=True))
+    want = (want / want.sum(1, keepdims=True)) @ values
+    acc, m, denom = _partials(logits, values, [(0, 4), (4, 4), (4, 12)])
+    got = np.asarray(combine_splits(acc, m, denom))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    empty = _partials(logits, values, [(0, 0), (0, 0)])
+    got = np.asarray(combine_splits(*empty))
+    assert np.isfinite(got).all() and not got.any()
+
+
+def test_default_num_splits():
+    """About 2 programs per SM, at most one split per block of the longest row, at least 1."""
+    assert default_num_splits(1, 8, 2560, 4, sm_count=132) == 33  # Qwen3-4B, batch 1, 40k-token table
+    assert default_num_splits(32, 8, 2560, 4, sm_count=132) == 2
+    assert default_num_splits(64, 8, 2560, 4, sm_count=132) == 1
+    assert default_num_splits(1, 8, 8, 4, sm_count=132) == 2  # a 2-block table
+    assert default_num_splits(1, 1, 10**6, 4, sm_count=132) == 64  # capped
+
+
 def test_api_dispatch():
     args, _ = make_case(4, span=2, n_heads=4, page_size=16, starts=[3], valids=[2], dtype=jnp.float32, **CASE)
     step = written_step(args)
     xla = api.paged_attention(*step, scale=0.25, implementation="xla")
-    pallas = api.paged_attention(*step, scale=0.25, implementation="pallas", interpret=None if not ON_GPU else False)
-    assert rel_rms(pallas, xla) < 1e-5
+    for impl in ("pallas", "pallas_onepass"):
+        pallas = api.paged_attention(*step, scale=0.25, implementation=impl, interpret=None if not ON_GPU else False)
+        assert rel_rms(pallas, xla) < 1e-5
     assert api.write_kv is reference.write_kv
     with pytest.raises(ValueError, match="implementation"):
         api.paged_attention(*step, scale=0.25, implementation="cuda")
@@ -213,11 +285,28 @@ class TestPallasGPU:
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     @pytest.mark.parametrize("k", [0, 7])
-    def test_qwen_shapes(self, dtype, k):
+    @pytest.mark.parametrize("splits", [None, 1])
+    def test_qwen_shapes(self, dtype, k, splits):
         """Qwen3-4B-like heads (32 q / 8 kv, D=128), page 16, contexts over several blocks."""
         pallas_vs_reference(
-            6, k=k, group=4, n_kv=8, head_dim=128, page_size=16, dtype=dtype, interpret=False, starts=(100, 517, 33)
+            6, k=k, group=4, n_kv=8, head_dim=128, page_size=16, dtype=dtype, interpret=False, starts=(100, 517, 33),
+            num_splits=splits,
         )
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("span", [1, 2, 4, 8, 16])
+    @pytest.mark.parametrize(("group", "splits"), [(1, 7), (2, 33), (4, None)])
+    def test_split_kv(self, dtype, span, group, splits):
+        """Split-KV over long and short rows (one row of 4000 keys, one shorter than a split)."""
+        pallas_vs_reference(11, k=span - 1, group=group, n_kv=4, head_dim=128, page_size=16, dtype=dtype,
+                            interpret=False, starts=(4000, 5, 700), num_splits=splits)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize(("head_dim", "group"), [(256, 6), (24, 2), (48, 4), (80, 1)])
+    def test_head_dims(self, dtype, head_dim, group):
+        """Qwen3.5-27B-like D=256 with group 6, and head dims that are not powers of two."""
+        pallas_vs_reference(12, k=3, group=group, n_kv=2, head_dim=head_dim, page_size=16, dtype=dtype,
+                            interpret=False, starts=(900, 17))
 
 
 def test_long_spans_run_in_query_blocks():
@@ -237,3 +326,18 @@ def test_long_spans_run_in_query_blocks():
                                      max_acc_bytes=2 * 2 * D * 4)  # two tokens per block
     mask = (np.arange(T)[None, :] < np.asarray(valid)[:, None])[..., None, None]
     np.testing.assert_allclose(np.asarray(got) * mask, np.asarray(ref) * mask, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.parametrize(("head_dim", "splits"), [(128, 8), (128, 1), (24, 4)])
+def test_kernel_lowers_to_triton(head_dim, splits):
+    """The Pallas -> Triton lowering rules (power-of-two tensors, gathers, masked loads) on CPU."""
+    import functools
+
+    from tests.kernels.test_gdn_pallas import _lower_for_cuda
+
+    R, T, nh, nkv, n_pages, page, P, bf, i = 2, 4, 8, 2, 64, 16, 32, jnp.bfloat16, jnp.int32
+    fn = functools.partial(paged_attention_pallas, scale=0.1, num_splits=splits)
+    pool = ((n_pages, page, nkv, head_dim), bf)
+    hlo = _lower_for_cuda(fn, ((R, T, nh, head_dim), bf), pool, pool, ((R, P), i), ((R,), i), ((R,), i))
+    assert "paged_span_attention" in hlo
