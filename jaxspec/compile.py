@@ -16,6 +16,8 @@ from pathlib import Path
 
 import jax.monitoring as monitoring
 
+from jaxspec.speculative.session import SESSIONS
+
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _BACKEND = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -215,19 +217,19 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
             add(Bucket("decode", r, 1 + pad, engine_k(pad), sampling=mode, steps=steps))
     run_ks = k_values if model.k_mode == "per_k" else ((model.max_num_speculative_tokens,) if k_values else ())
     for k in run_ks:
-        engine_entries(k, any(method != "mtp" for method in methods))  # mtp prefills through prefill_hidden
+        extra = []
         for method in methods:
             for mode in sampling:
                 for r in buckets:
-                    add(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method, mode, steps))
-            if method == "draft_model":
-                add(Bucket("draft_allocate", 0, 0, k, k, method))
-                add(Bucket("draft_prefill", 1, draft_model.prefill_chunk, k, k, method))
-            elif method == "mtp":  # the prefill hands its hidden states to the MTP head's prompt pass
-                add(Bucket("prefill_hidden", 1, chunk, engine_k(k)))
-                add(Bucket("admit[mtp]", 1, chunk, engine_k(k), k, method))
-            else:
-                add(Bucket(f"admit[{method}]", 1, 0, engine_k(k), k, method))
+                    extra.append(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method, mode, steps))
+            for fields in SESSIONS[method].admission_buckets(model, k, engine_k(k), chunk, draft_model):
+                fields = {"k": k, "method": method, **fields}
+                if fields["name"] == "admit":
+                    fields["name"] = f"admit[{method}]"
+                extra.append(Bucket(**fields))
+        engine_entries(k, any(SESSIONS[m].plain_prefill for m in methods))
+        for entry in extra:
+            add(entry)
     return table
 
 
@@ -276,7 +278,8 @@ def _engine_args(model, ecfg):
     return model.params, cache.cache_shapes(model.config, ecfg, model.dtype), _loop_state(ecfg)
 
 
-def _lower_prefill(model, ecfg, C: int, with_hidden: bool = False):
+def lower_prefill(model, ecfg, C: int, with_hidden: bool = False):
+    """The prefill chunk executable of an engine (also a drafter's own prefill)."""
     import jax.numpy as jnp
 
     from jaxspec import ops
@@ -297,58 +300,19 @@ def _lower_set_sampling(model, ecfg):
     return set_slot.lower(_loop_state(ecfg), _shape((1,), jnp.int32), settings)
 
 
-def _mtp_state(drafter, ecfg, dtype) -> dict:
-    """Abstract MTP drafter state, as speculative.mtp.init_state allocates it."""
-    import jax.numpy as jnp
-
-    from jaxspec.speculative import mtp
-
-    return {"kv": mtp.kv_shapes(drafter.cfg, ecfg.total_pages, ecfg.page_size, drafter.num_layers, dtype),
-            "drafts": _shape((ecfg.max_num_seqs + 1, drafter.k), jnp.int32)}
-
-
-def _lower_mtp_admit(model, ecfg, bucket: Bucket):
-    """The MTP head's pass over one prefill chunk (speculative.mtp.admit_executable)."""
-    import jax.numpy as jnp
-
-    from jaxspec.speculative import mtp
-    from jaxspec.speculative.session import make_drafter
-
-    drafter = make_drafter("mtp", model, ecfg, bucket.k)
-    C, i32 = bucket.query_len, jnp.int32
-    hidden = _shape((1, C, model.config.hidden_size), model.dtype)  # the prefill's final hidden states
-    return mtp.admit_executable(drafter).lower(
-        mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype), hidden, next_tokens=_shape((1, C), i32),
-        start=_shape((1,), i32), n=_shape((1,), i32), tables=_shape((1, ecfg.pages_per_seq), i32),
-        slot=_shape((1,), i32))
-
-
 def _lower_round(model, ecfg, bucket: Bucket, draft_model):
-    import jax
     import jax.numpy as jnp
 
-    from jaxspec import cache, ops
+    from jaxspec import ops
     from jaxspec.speculative.round import round_executable
-    from jaxspec.speculative.session import make_drafter
 
     k = bucket.k if bucket.method else bucket.query_len - 1  # a plain decode's inert columns
-    drafter = make_drafter(bucket.method, model, ecfg, k, draft_model=draft_model)
-    num_slots, i32 = ecfg.max_num_seqs + 1, jnp.int32
-    dparams, dstate, aux = None, None, None
-    if bucket.method == "draft_model":
-        dparams = draft_model.params
-        dstate = {"caches": cache.cache_shapes(draft_model.config, drafter.ecfg, draft_model.dtype)}
-        aux = _shape((num_slots, drafter.ecfg.pages_per_seq), i32)
-    elif bucket.method == "mtp":
-        from jaxspec.speculative import mtp
-
-        dparams, dstate = mtp.draft_params(model.params), _mtp_state(drafter, ecfg, model.dtype)
-    elif bucket.method is not None:
-        dparams = {"alpha": _shape((), jnp.float32), "seed": _shape((), jnp.uint32)} if bucket.method == "replay" \
-            else None
-        dstate = jax.eval_shape(lambda: drafter.init_state(num_slots))
+    session = SESSIONS[bucket.method]
+    drafter = session.make_drafter(model, ecfg, k, draft_model=draft_model)
+    dparams, dstate, aux = session.abstract(model, ecfg, drafter, draft_model)
     fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels),
                           bucket.sampling == "greedy", bucket.steps)
+    i32 = jnp.int32
     return fn.lower(*_engine_args(model, ecfg), dparams, dstate, _shape((bucket.num_reqs,), i32), _shape((), i32), aux)
 
 
@@ -357,41 +321,19 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
     import jax.numpy as jnp
 
     from jaxspec import cache
-    from jaxspec.speculative.session import draft_engine_config
 
     ecfg = model.engine_config(bucket.engine_k)
     if bucket.name == "allocate":
         return cache.allocate_executable(model.config, ecfg, jnp.dtype(model.dtype)).lower()
-    if bucket.name == "draft_allocate":
-        draft_ecfg = draft_engine_config(ecfg, draft_model, bucket.k)
-        return cache.allocate_executable(draft_model.config, draft_ecfg, jnp.dtype(draft_model.dtype)).lower()
     if bucket.name == "set_sampling":
         return _lower_set_sampling(model, ecfg)
     if bucket.name == "prefill":
-        return _lower_prefill(model, ecfg, bucket.query_len)
+        return lower_prefill(model, ecfg, bucket.query_len)
     if bucket.name == "prefill_hidden":
-        return _lower_prefill(model, ecfg, bucket.query_len, with_hidden=True)
-    if bucket.name == "admit[mtp]":
-        return _lower_mtp_admit(model, ecfg, bucket)
-    if bucket.name == "draft_prefill":
-        return _lower_prefill(draft_model, draft_engine_config(ecfg, draft_model, bucket.k), bucket.query_len)
-    if bucket.name.startswith("admit["):
-        return _lower_admit(model, ecfg, bucket)
-    return _lower_round(model, ecfg, bucket, draft_model)
-
-
-def _lower_admit(model, ecfg, bucket: Bucket):
-    """The drafter's admission update (speculative.drafters.set_slot) for one request's state row."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxspec.speculative.drafters import set_slot
-    from jaxspec.speculative.session import make_drafter
-
-    drafter = make_drafter(bucket.method, model, ecfg, bucket.k)
-    dstate = jax.eval_shape(lambda: drafter.init_state(ecfg.max_num_seqs + 1))
-    values = {name: _shape(x.shape[1:], jnp.int32) for name, x in dstate.items()}
-    return set_slot.lower(dstate, _shape((), jnp.int32), values)
+        return lower_prefill(model, ecfg, bucket.query_len, with_hidden=True)
+    if bucket.name == "decode" or bucket.name.startswith("verify["):
+        return _lower_round(model, ecfg, bucket, draft_model)
+    return SESSIONS[bucket.method].lower_admission(model, ecfg, bucket, draft_model)
 
 
 def _memory(compiled) -> int | None:

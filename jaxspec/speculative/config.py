@@ -62,15 +62,6 @@ def check_speculative(spec, model, num_prompts: int | None = None) -> None:
     if limit and spec.k > limit:
         raise ValueError(f"num_speculative_tokens={spec.k} is above this model's configured maximum "
                          f"max_num_speculative_tokens={limit}; use k <= {limit} or load with a larger maximum")
-    if spec.method == "draft_model":
-        draft = spec.draft_model
-        if not hasattr(draft, "config") or not hasattr(draft, "params"):
-            raise ValueError(f"draft_model={draft!r} is not a jaxspec Model (load it with jaxspec.load)")
-        if draft.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
-                             f"vocab_size={model.config.vocab_size}; draft and target must share a vocabulary")
-    if spec.method == "mtp" and "mtp" not in getattr(model, "params", {}):
-        raise ValueError("method='mtp' needs a target with an MTP head (mtp.* weights, as Qwen3.5 and Qwen3-Next "
-                         "checkpoints ship); this model has none. Use 'ngram' or 'draft_model' instead")
-    if spec.method == "replay" and num_prompts is not None and len(spec.replay_tokens) != num_prompts:
-        raise ValueError(f"replay_tokens has {len(spec.replay_tokens)} continuations for {num_prompts} prompts")
+    from jaxspec.speculative.session import SESSIONS
+
+    SESSIONS[spec.method].check(spec, model, num_prompts)  # the method's own requirements

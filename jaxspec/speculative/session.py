@@ -1,5 +1,15 @@
-"""Host side of a drafter during one generate call: its static (jit) description, its device
-parameters and state, and the admit / release hooks that keep it in step with the target's slots."""
+"""Host side of a drafter: one class per speculative method, registered by name in `SESSIONS`. A
+class holds everything the rest of jaxspec needs to know about its method, so a new drafter is its
+device code (propose / commit, speculative/drafters.py) plus one class here:
+
+    drafter(model, ecfg, k, spec_fields) -> the static, hashable drafter (a jit key)
+    create(model, engine, drafter, spec) -> a session: device params and state for one generate call
+    abstract(model, ecfg, drafter, draft_model) -> (dparams, dstate, aux tables) as shapes, for precompile
+    admission_buckets(...) / lower_admission(...) -> the method's extra executables and their lowering
+    admit / release / reserve / aux_tables / sync / lookahead / prefill_hook -> the loop's hooks
+
+The loop (jaxspec/loop.py) and the precompiler (jaxspec/compile.py) never test a method's name.
+"""
 
 from __future__ import annotations
 
@@ -11,35 +21,292 @@ import numpy as np
 
 from jaxspec.config import EngineConfig
 from jaxspec.speculative import mtp
-from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
+from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter, set_slot
+
+
+def _shape(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
 @dataclass
 class Session:
-    """A drafter in one generate call: its static description (a jit key), device params and
-    state, and the host hooks the loop calls (admit, release, reserve, aux_tables, sync)."""
+    """Plain decoding (the NoDrafter; k = the inert columns of a plain step) and the defaults every
+    method shares: nothing to admit, release or reserve; the round hands the drafter the target's
+    block tables."""
 
-    drafter: object  # frozen dataclass: NoDrafter | NgramDrafter | ReplayDrafter | DraftModelDrafter | MtpDrafter
+    drafter: object  # the static drafter dataclass
     dparams: object = None
     dstate: object = None
-    draft_engine: object = None
-    replay: tuple = ()
     extra: dict = field(default_factory=dict)
+    plain_prefill = True  # class attribute: admission prefills through the engine's plain prefill
 
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def check(cls, spec, model, num_prompts: int | None) -> None:
+        """Refuse, with an error naming the value, a SpeculativeConfig this target cannot serve."""
+
+    @classmethod
+    def make_drafter(cls, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):
+        return NoDrafter(k)
+
+    @classmethod
+    def create(cls, model, engine, drafter, spec) -> Session:
+        return cls(drafter)
+
+    @classmethod
+    def abstract(cls, model, ecfg: EngineConfig, drafter, draft_model) -> tuple:
+        """(dparams, dstate, aux tables) shapes exactly as create() and aux_tables() give them."""
+        return None, None, None
+
+    @classmethod
+    def admission_buckets(cls, model, k: int, engine_k: int, chunk: int, draft_model) -> list[dict]:
+        """The method's own executables besides its rounds, as compile.Bucket fields ("admit" is
+        named admit[<method>]; k and method default to the round's)."""
+        return []
+
+    @classmethod
+    def lower_admission(cls, model, ecfg: EngineConfig, bucket, draft_model):
+        raise ValueError(f"{bucket.name} is not an executable of this method")
+
+    # ---- the loop's hooks ----------------------------------------------------------------------
     @property
     def lookahead(self) -> int:
-        """Positions past a round's verify span that the drafter writes in the target's KV pages
-        (the MTP head's recursive rows reach k - 1 past them)."""
-        return self.drafter.k if isinstance(self.drafter, mtp.MtpDrafter) else 0
+        """Positions past a round's verify span the drafter writes in the target's KV pages."""
+        return 0
 
     @property
     def prefill_hook(self):
-        """None, or req -> Engine.prefill's on_hidden callback (the MTP drafter's admission)."""
-        if not isinstance(self.drafter, mtp.MtpDrafter):
-            return None
-        return self._mtp_admission
+        """None, or req -> Engine.prefill's on_hidden callback (chunk by chunk prompt hidden states)."""
+        return None
 
-    def _mtp_admission(self, req):
+    def admit(self, req) -> None:
+        """Called after the target prefilled req (req.generated holds its first token)."""
+
+    def release(self, req) -> None:
+        """Called when req's slot is freed."""
+
+    def reserve(self, req, num_tokens: int) -> None:
+        """Pages for positions [0, num_tokens) in the drafter's own caches, if it has any."""
+
+    def aux_tables(self):
+        """[S+1, Pa] device block tables the drafter writes, or None for the target's own."""
+        return None
+
+    def sync(self) -> None:
+        """Take back what a round donated (the drafter state is already self.dstate)."""
+
+
+class _SlotStateSession(Session):
+    """Drafters whose device state is a few int32 arrays indexed by slot (ngram, replay): one
+    `set_slot` executable writes an admitted request's row."""
+
+    @classmethod
+    def abstract(cls, model, ecfg, drafter, draft_model):
+        return cls._abstract_params(), jax.eval_shape(lambda: drafter.init_state(ecfg.max_num_seqs + 1)), None
+
+    @classmethod
+    def _abstract_params(cls):
+        return None
+
+    @classmethod
+    def admission_buckets(cls, model, k, engine_k, chunk, draft_model):
+        return [dict(name="admit", num_reqs=1, query_len=0, engine_k=engine_k)]
+
+    @classmethod
+    def lower_admission(cls, model, ecfg, bucket, draft_model):
+        drafter = cls.make_drafter(model, ecfg, bucket.k)
+        dstate = jax.eval_shape(lambda: drafter.init_state(ecfg.max_num_seqs + 1))
+        values = {name: _shape(x.shape[1:], jnp.int32) for name, x in dstate.items()}
+        return set_slot.lower(dstate, _shape((), jnp.int32), values)
+
+
+class NgramSession(_SlotStateSession):
+    """Prompt lookup over each request's prompt + generated tokens (history per slot)."""
+
+    @classmethod
+    def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
+        return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1], history_len=ecfg.max_model_len + k + 1)
+
+    @classmethod
+    def create(cls, model, engine, drafter, spec):
+        return cls(drafter, dstate=drafter.init_state(engine.ecfg.max_num_seqs + 1))
+
+    def admit(self, req) -> None:
+        self.dstate = self.drafter.admit(self.dstate, req.slot, req.prompt + req.generated)
+
+
+class ReplaySession(_SlotStateSession):
+    """A measurement tool: a reference continuation per request, corrupted with probability 1 - alpha."""
+
+    @classmethod
+    def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
+        # a fixed reference length, so references of any length share executables
+        return ReplayDrafter(k=k, vocab_size=model.config.vocab_size, ref_len=ecfg.max_model_len + k + 1)
+
+    @classmethod
+    def check(cls, spec, model, num_prompts):
+        if num_prompts is not None and len(spec.replay_tokens) != num_prompts:
+            raise ValueError(f"replay_tokens has {len(spec.replay_tokens)} continuations for {num_prompts} prompts")
+
+    @classmethod
+    def _abstract_params(cls):
+        return {"alpha": _shape((), jnp.float32), "seed": _shape((), jnp.uint32)}
+
+    @classmethod
+    def create(cls, model, engine, drafter, spec):
+        dparams = {"alpha": jnp.float32(spec.replay_alpha), "seed": jnp.uint32(spec.replay_seed)}
+        return cls(drafter, dparams=dparams, dstate=drafter.init_state(engine.ecfg.max_num_seqs + 1),
+                   extra={"replay": spec.replay_tokens})
+
+    def admit(self, req) -> None:
+        self.dstate = self.drafter.admit(self.dstate, req.slot, list(self.extra["replay"][req.index]),
+                                         len(req.generated))
+
+
+def draft_engine_config(target_ecfg: EngineConfig, draft, k: int) -> EngineConfig:
+    """The draft model's engine: the target's slots and lengths, 1+k state slots and one conv window
+    per state slot (it advances one token per step)."""
+    return EngineConfig(max_num_seqs=target_ecfg.max_num_seqs, max_model_len=target_ecfg.max_model_len,
+                        page_size=draft.page_size, prefill_chunk=draft.prefill_chunk,
+                        max_num_speculative_tokens=k, conv_per_state_slot=True,
+                        request_buckets=target_ecfg.request_buckets)
+
+
+class DraftModelSession(Session):
+    """A smaller model with its own engine (caches, pages, slots mirroring the target's)."""
+
+    @classmethod
+    def check(cls, spec, model, num_prompts):
+        draft = spec.draft_model
+        if not hasattr(draft, "config") or not hasattr(draft, "params"):
+            raise ValueError(f"draft_model={draft!r} is not a jaxspec Model (load it with jaxspec.load)")
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
+                             f"vocab_size={model.config.vocab_size}; draft and target must share a vocabulary")
+
+    @classmethod
+    def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
+        from jaxspec import ops
+
+        return DraftModelDrafter(k=k, cfg=draft_model.config, ecfg=draft_engine_config(ecfg, draft_model, k),
+                                 kernels=ops.resolve_kernels(draft_model.kernels))
+
+    @classmethod
+    def create(cls, model, engine, drafter, spec):
+        draft_engine = spec.draft_model.engine_for(drafter.ecfg)
+        return cls(drafter, dparams=spec.draft_model.params, dstate={"caches": draft_engine.caches},
+                   extra={"engine": draft_engine})
+
+    @classmethod
+    def abstract(cls, model, ecfg, drafter, draft_model):
+        from jaxspec import cache
+
+        dstate = {"caches": cache.cache_shapes(draft_model.config, drafter.ecfg, draft_model.dtype)}
+        return draft_model.params, dstate, _shape((ecfg.max_num_seqs + 1, drafter.ecfg.pages_per_seq), jnp.int32)
+
+    @classmethod
+    def admission_buckets(cls, model, k, engine_k, chunk, draft_model):
+        return [dict(name="draft_allocate", num_reqs=0, query_len=0, engine_k=k),
+                dict(name="draft_prefill", num_reqs=1, query_len=draft_model.prefill_chunk, engine_k=k)]
+
+    @classmethod
+    def lower_admission(cls, model, ecfg, bucket, draft_model):
+        from jaxspec import cache
+        from jaxspec.compile import lower_prefill
+
+        draft_ecfg = draft_engine_config(ecfg, draft_model, bucket.k)
+        if bucket.name == "draft_allocate":
+            return cache.allocate_executable(draft_model.config, draft_ecfg, jnp.dtype(draft_model.dtype)).lower()
+        return lower_prefill(draft_model, draft_ecfg, bucket.query_len)
+
+    @property
+    def engine(self):
+        return self.extra["engine"]
+
+    def admit(self, req) -> None:
+        self.engine.acquire_slot(req.slot)
+        self.engine.prefill(req.slot, req.prompt)
+        self.dstate = {"caches": self.engine.caches}
+
+    def release(self, req) -> None:
+        if req.slot in self.engine.slot_pages:
+            self.engine.release_slot(req.slot)
+
+    def reserve(self, req, num_tokens: int) -> None:
+        self.engine.reserve(req.slot, num_tokens)
+
+    def aux_tables(self):
+        self.engine.sync_tables()
+        return self.engine.state.block_tables
+
+    def sync(self) -> None:
+        self.engine.caches = self.dstate["caches"]
+
+
+class MtpSession(Session):
+    """The target's own MTP head: its prompt rows run at admission from the prefill's hidden
+    states; each round drafts in commit from the verify's hidden states (speculative/mtp.py)."""
+
+    plain_prefill = False  # the prefill that hands over hidden states (prefill_hidden) replaces it
+
+    @classmethod
+    def check(cls, spec, model, num_prompts):
+        if "mtp" not in getattr(model, "params", {}):
+            raise ValueError("method='mtp' needs a target with an MTP head (mtp.* weights, as Qwen3.5 and "
+                             "Qwen3-Next checkpoints ship); this model has none. Use 'ngram' or 'draft_model' instead")
+
+    @classmethod
+    def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
+        from jaxspec import ops
+
+        return mtp.MtpDrafter(k=k, cfg=model.config, num_layers=len(model.params["mtp"]["layers"]),
+                              max_model_len=ecfg.max_model_len, kernels=ops.resolve_kernels(model.kernels))
+
+    @classmethod
+    def create(cls, model, engine, drafter, spec):
+        from jaxspec import cache
+
+        plan = {**engine.memory_plan, "mtp_kv": mtp.state_bytes(drafter, engine.ecfg, model.dtype)}
+        budget = model.memory_budget if model.memory_budget is not None else cache.device_memory_bytes()
+        cache.check_budget(plan, budget)  # refuse before allocating the MTP pools
+        return cls(drafter, dparams=mtp.draft_params(model.params),
+                   dstate=mtp.init_state(drafter, engine.ecfg, model.dtype), extra={"target_engine": engine})
+
+    @classmethod
+    def abstract(cls, model, ecfg, drafter, draft_model):
+        return mtp.draft_params(model.params), cls._state_shapes(drafter, ecfg, model.dtype), None
+
+    @staticmethod
+    def _state_shapes(drafter, ecfg, dtype) -> dict:
+        """Abstract MTP drafter state, as mtp.init_state allocates it."""
+        return {"kv": mtp.kv_shapes(drafter.cfg, ecfg.total_pages, ecfg.page_size, drafter.num_layers, dtype),
+                "drafts": _shape((ecfg.max_num_seqs + 1, drafter.k), jnp.int32)}
+
+    @classmethod
+    def admission_buckets(cls, model, k, engine_k, chunk, draft_model):
+        # the prefill hands its hidden states to the MTP head's prompt pass
+        return [dict(name="prefill_hidden", num_reqs=1, query_len=chunk, engine_k=engine_k, k=0, method=None),
+                dict(name="admit", num_reqs=1, query_len=chunk, engine_k=engine_k)]
+
+    @classmethod
+    def lower_admission(cls, model, ecfg, bucket, draft_model):
+        drafter = cls.make_drafter(model, ecfg, bucket.k)
+        C, i32 = bucket.query_len, jnp.int32
+        hidden = _shape((1, C, model.config.hidden_size), model.dtype)  # the prefill's final hidden states
+        return mtp.admit_executable(drafter).lower(
+            mtp.draft_params(model.params), cls._state_shapes(drafter, ecfg, model.dtype), hidden,
+            next_tokens=_shape((1, C), i32), start=_shape((1,), i32), n=_shape((1,), i32),
+            tables=_shape((1, ecfg.pages_per_seq), i32), slot=_shape((1,), i32))
+
+    @property
+    def lookahead(self) -> int:
+        return self.drafter.k  # the recursive drafting rows reach k - 1 past the verify span
+
+    @property
+    def prefill_hook(self):
+        return self._admission
+
+    def _admission(self, req):
         """The on_hidden callback that runs req's prompt through the MTP head, chunk by chunk."""
         run = mtp.admit_executable(self.drafter)
         target = self.extra["target_engine"]
@@ -56,92 +323,22 @@ class Session:
             self.dstate = run(self.dparams, self.dstate, hidden, **jax.device_put(host))
         return on_hidden
 
-    def admit(self, req) -> None:
-        """Called after the target prefilled req (req.generated holds its first token)."""
-        if isinstance(self.drafter, (NoDrafter, mtp.MtpDrafter)):
-            return  # nothing to draft from / drafted during the prefill (prefill_hook)
-        if isinstance(self.drafter, NgramDrafter):
-            self.dstate = self.drafter.admit(self.dstate, req.slot, req.prompt + req.generated)
-        elif isinstance(self.drafter, ReplayDrafter):
-            self.dstate = self.drafter.admit(self.dstate, req.slot, list(self.replay[req.index]), len(req.generated))
-        else:
-            eng = self.draft_engine
-            eng.acquire_slot(req.slot)
-            eng.prefill(req.slot, req.prompt)
-            self.dstate = {"caches": eng.caches}
 
-    def release(self, req) -> None:
-        if self.draft_engine is not None and req.slot in self.draft_engine.slot_pages:
-            self.draft_engine.release_slot(req.slot)
-
-    def reserve(self, req, num_tokens: int) -> None:
-        """Pages for positions [0, num_tokens) in the draft model's own cache, if it has one."""
-        if self.draft_engine is not None:
-            self.draft_engine.reserve(req.slot, num_tokens)
-
-    def aux_tables(self):
-        """[S+1, Pa] device block tables the drafter writes (the draft model's), or None: the
-        round then hands the drafter the target's tables (MTP; unused by ngram and replay)."""
-        if self.draft_engine is None:
-            return None
-        self.draft_engine.sync_tables()
-        return self.draft_engine.state.block_tables
-
-    def sync(self) -> None:
-        """Hand the draft caches back to the draft engine after a round donated them."""
-        if self.draft_engine is not None:
-            self.draft_engine.caches = self.dstate["caches"]
+SESSIONS: dict[str | None, type[Session]] = {None: Session, "ngram": NgramSession, "replay": ReplaySession,
+                                             "draft_model": DraftModelSession, "mtp": MtpSession}
 
 
-def draft_engine_config(target_ecfg: EngineConfig, draft, k: int) -> EngineConfig:
-    """The draft model's engine: the target's slots and lengths, 1+k state slots and one conv window
-    per state slot (it advances one token per step)."""
-    return EngineConfig(max_num_seqs=target_ecfg.max_num_seqs, max_model_len=target_ecfg.max_model_len,
-                        page_size=draft.page_size, prefill_chunk=draft.prefill_chunk,
-                        max_num_speculative_tokens=k, conv_per_state_slot=True,
-                        request_buckets=target_ecfg.request_buckets)
-
-
-def make_drafter(method: str, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):
+def make_drafter(method: str | None, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):
     """The static (jit-keying) drafter proposing k tokens for a target engine configured by ecfg
-    (method None: plain decoding)."""
-    if method is None:
-        return NoDrafter(k)
-    if method == "ngram":
-        return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1],
-                            history_len=ecfg.max_model_len + k + 1)
-    if method == "replay":  # a fixed reference length, so references of any length share executables
-        return ReplayDrafter(k=k, vocab_size=model.config.vocab_size, ref_len=ecfg.max_model_len + k + 1)
-    from jaxspec import ops
-
-    if method == "mtp":
-        return mtp.MtpDrafter(k=k, cfg=model.config, num_layers=len(model.params["mtp"]["layers"]),
-                              max_model_len=ecfg.max_model_len, kernels=ops.resolve_kernels(model.kernels))
-    return DraftModelDrafter(k=k, cfg=draft_model.config, ecfg=draft_engine_config(ecfg, draft_model, k),
-                             kernels=ops.resolve_kernels(draft_model.kernels))
+    (method None: plain decoding, k inert columns)."""
+    return SESSIONS[method].make_drafter(model, ecfg, k, prompt_lookup=prompt_lookup, draft_model=draft_model)
 
 
 def make_session(model, engine, spec, requests, k: int) -> Session:
     """The drafter session for a generate call (spec None: plain decoding); drafters propose k
     tokens (spec's k, or k_max when the model pads every k to its maximum)."""
-    if spec is None:
-        return Session(NoDrafter(k))
-    num_slots = engine.ecfg.max_num_seqs + 1
-    drafter = make_drafter(spec.method, model, engine.ecfg, k, draft_model=spec.draft_model,
-                           prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max))
-    if spec.method == "ngram":
-        return Session(drafter, dstate=drafter.init_state(num_slots))
-    if spec.method == "replay":
-        dparams = {"alpha": jnp.float32(spec.replay_alpha), "seed": jnp.uint32(spec.replay_seed)}
-        return Session(drafter, dparams=dparams, dstate=drafter.init_state(num_slots), replay=spec.replay_tokens)
-    if spec.method == "mtp":
-        from jaxspec import cache
-
-        plan = {**engine.memory_plan, "mtp_kv": mtp.state_bytes(drafter, engine.ecfg, model.dtype)}
-        budget = model.memory_budget if model.memory_budget is not None else cache.device_memory_bytes()
-        cache.check_budget(plan, budget)  # refuse before allocating the MTP pools
-        return Session(drafter, dparams=mtp.draft_params(model.params),
-                       dstate=mtp.init_state(drafter, engine.ecfg, model.dtype), extra={"target_engine": engine})
-    draft_engine = spec.draft_model.engine_for(drafter.ecfg)
-    return Session(drafter, dparams=spec.draft_model.params, dstate={"caches": draft_engine.caches},
-                   draft_engine=draft_engine)
+    method = None if spec is None else spec.method
+    lookup = (1, 4) if spec is None else (spec.prompt_lookup_min, spec.prompt_lookup_max)
+    drafter = make_drafter(method, model, engine.ecfg, k, prompt_lookup=lookup,
+                           draft_model=None if spec is None else spec.draft_model)
+    return SESSIONS[method].create(model, engine, drafter, spec)
