@@ -232,7 +232,7 @@ class Engine:
             if on_hidden is not None:
                 nxt = list(prompt[pos + 1:pos + 1 + len(chunk)])
                 if len(nxt) < len(chunk):  # the last position's next token is the sampled one
-                    nxt.append(int(token[0]))
+                    nxt.append(int(np.asarray(token)[0]))  # a host read, not a device op
                 on_hidden(pos, hidden[0], nxt)
             pos += len(chunk)
         return token

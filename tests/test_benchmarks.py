@@ -136,7 +136,9 @@ def test_profile_step_smoke(smoke):
     doc = smoke["json"]["profile_step"]
     _common_keys(doc, "profile_step")
     steps = [r["step"] for r in doc["results"]]
-    assert steps == ["decode T=1 (engine step)", "forward+argmax T=1", "verify round k=1 T=2", "forward+argmax T=2"]
+    assert steps == ["decode (engine round, greedy, 0 inert)", "decode (engine round, sampling, 0 inert)",
+                     "decode x4 rounds per dispatch (0 inert)", "decode T=1 (engine round, greedy, no inert column)",
+                     "forward+argmax T=1", "forward+argmax T=2", "verify round k=1 T=2"]
     for r in doc["results"]:
         assert r["pipelined_ms"] > 0 and r["floor_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
     assert "top kernels" in smoke["stdout"]["profile_step"]
