@@ -97,12 +97,12 @@ def replay_lookup(prompt, continuation, k, n_min, n_max) -> list[int]:
     return by_position
 
 
-@pytest.mark.parametrize("n_min,n_max", [(1, 4), (2, 3)])
-def test_acceptance_equals_the_lookup_replayed_offline(family, n_min, n_max):
+def test_acceptance_equals_the_lookup_replayed_offline(family):
     """The tiny Qwen3 falls into short cycles, so the lookup finds its continuation often: the
     accepted counts by position equal the offline replay exactly, and are far from zero (measured
-    first-draft acceptance: 0.26 at (1, 4), 0.20 at (2, 3))."""
-    fam, k = family("qwen3"), 3
+    first-draft acceptance: 0.26). The default (n_min, n_max) = (1, 4), whose round executable the
+    parity tests share; other values are covered by the unit tests above."""
+    fam, k, n_min, n_max = family("qwen3"), 3, 1, 4
     full = [i for i, r in enumerate(fam.reference) if len(r) == NEW_TOKENS + K_MAX + 1]  # no EOS
     prompts = [fam.prompts[i] for i in full]
     spec = jaxspec.SpeculativeConfig("ngram", k, prompt_lookup_min=n_min, prompt_lookup_max=n_max)
