@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec import compile as jc
+from jaxspec.compile import count_compiles
 
 # Two rounds per dispatch: the multi-step executables are in the table and served from the cache too.
 MODEL = ["--model", "demo:qwen3", "--max-model-len", "48", "--max-num-seqs", "2", "--prefill-chunk", "16",
@@ -66,6 +70,23 @@ def report_rows(stdout: str) -> list[list[str]]:
             break
         rows.append(line.split())
     return rows
+
+
+def test_count_compiles_counts_a_fresh_compile():
+    """Positive control for the zero-recompile tests: a function jitted for the first time is
+    traced and compiled inside count_compiles; calling it again with the same shapes is neither."""
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)  # a new function: no executable of it exists yet
+    x = np.arange(7, dtype=np.float32)
+    with count_compiles() as first:
+        f(x).block_until_ready()
+    assert first.traces > 0 and first.backend_compiles > 0, first
+    assert first.compiles == first.backend_compiles - first.cache_hits
+    with count_compiles() as again:
+        f(x).block_until_ready()
+    assert again.traces == 0 and again.backend_compiles == 0, again
+    with count_compiles() as other_shape:
+        f(np.arange(9, dtype=np.float32)).block_until_ready()
+    assert other_shape.traces > 0 and other_shape.backend_compiles > 0, other_shape
 
 
 def test_table_lists_every_executable():
@@ -139,5 +160,5 @@ def test_missing_model_and_unwritable_cache_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     out = cli("precompile", *MODEL, "--cache-dir", str(blocker / "cache"))
-    assert out.returncode != 0 and "not writable" in out.stderr or "not a directory" in out.stderr
+    assert out.returncode != 0 and ("not writable" in out.stderr or "not a directory" in out.stderr), out.stderr
     assert blocker.read_text() == ""

@@ -54,11 +54,12 @@ def test_bad_input_is_refused_and_generation_still_works(case, stream):
     model producing exactly what it produced before."""
     model = demo_model("qwen3")
     good = dict(prompts=prompts()[:2], max_new_tokens=NEW_TOKENS)
+    before = one_at_a_time("qwen3")[:2]  # computed before the refused call, also when this test runs first
     kwargs, message = REFUSALS[case]
     with pytest.raises(ValueError, match=message):
         jaxspec.generate(model, **{**good, **kwargs, "stream": stream})
     assert_idle(model)
-    assert jaxspec.generate(model, **good).token_ids == one_at_a_time("qwen3")[:2]
+    assert jaxspec.generate(model, **good).token_ids == before
 
 
 @pytest.mark.parametrize("tokens,message", [([], "is empty"), ([0, 400], r"token id 400 outside \[0, 384\)"),
@@ -174,23 +175,25 @@ def test_stream_concatenation_equals_result(family):
 
 def test_closing_a_stream_frees_its_slots():
     model = demo_model("qwen3_5")
+    before = one_at_a_time("qwen3_5")  # computed before the stream, also when this test runs first
     stream = jaxspec.generate(model, prompts(), max_new_tokens=NEW_TOKENS, stream=True)
     next(stream), next(stream), next(stream)
     assert len(model.engine().free_slots) < model.max_num_seqs  # mid-generation
     stream.close()
     assert_idle(model)
     assert list(stream) == []
-    assert jaxspec.generate(model, prompts(), max_new_tokens=NEW_TOKENS).token_ids == one_at_a_time("qwen3_5")
+    assert jaxspec.generate(model, prompts(), max_new_tokens=NEW_TOKENS).token_ids == before
 
 
 def test_abandoned_stream_does_not_block_the_next_call():
     """A stream left half-read (still referenced, as in a notebook cell) holds every slot; the next
     generate on the model ends it instead of waiting forever for a slot."""
     model = demo_model("qwen3")
+    before = one_at_a_time("qwen3")  # computed before the stream, also when this test runs first
     stream = jaxspec.generate(model, prompts(), max_new_tokens=NEW_TOKENS, stream=True)
     next(stream), next(stream)
     assert not model.engine().free_slots
-    assert jaxspec.generate(model, prompts(), max_new_tokens=NEW_TOKENS).token_ids == one_at_a_time("qwen3")
+    assert jaxspec.generate(model, prompts(), max_new_tokens=NEW_TOKENS).token_ids == before
     assert_idle(model)
     with pytest.raises(RuntimeError, match="ended .* by a later generate or score call"):
         next(stream)  # reading on says why the stream ended, instead of silently stopping

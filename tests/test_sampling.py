@@ -206,3 +206,87 @@ def test_make_sampling_params_shapes_and_bad_lengths():
         make_sampling_params(3, temperature=[1.0, 1.0])
     with pytest.raises(ValueError, match="seed=-1"):
         make_sampling_params(1, seed=-1)
+
+
+# ---- an independent float64 oracle for the warped distribution -----------------------------------
+
+def warp_reference(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """float64 numpy, one row of logits [V], in the order and with the semantics of HF's warpers
+    (TemperatureLogitsWarper, then TopKLogitsWarper, then TopPLogitsWarper) and warp_probs'
+    docstring: divide by the temperature; keep the top_k largest (0 = off; among equal logits the
+    lower token id wins, as warp_probs documents, where HF would keep every tie); softmax over
+    the kept tokens; keep the smallest prefix of them, by descending probability, whose mass
+    reaches top_p (HF: drop the tokens whose ascending cumulative mass is <= 1 - top_p), the top
+    token always; renormalise."""
+    x = np.asarray(logits, np.float64) / temperature
+    V = x.shape[-1]
+    order = np.argsort(-x, kind="stable")  # descending, ties by token id
+    kept = order[:top_k] if 0 < top_k < V else order
+    p = np.exp(x[kept] - x[kept].max())
+    p /= p.sum()
+    if top_p < 1:
+        before = np.cumsum(p) - p  # mass strictly before each kept token
+        n = max(1, int(np.sum(before < top_p)))
+        kept, p = kept[:n], p[:n] / p[:n].sum()
+    out = np.zeros(V)
+    out[kept] = p
+    return out
+
+
+# (temperature, top_k, top_p) per row of one [3, T, V] batch: temperature alone (below and above 1),
+# top-k binding (k = 1, 2, V - 1), top-p binding, both, and filters that bind nothing (k >= V, p = 1).
+WARP_CASES = [
+    ((0.5, 2.0, 1.0), (0, 0, 0), (1.0, 1.0, 1.0)),
+    ((0.7, 1.0, 1.6), (1, 2, V - 1), (1.0, 1.0, 1.0)),
+    ((0.8, 1.0, 1.3), (0, 0, 0), (0.3, 0.6, 0.9)),
+    ((0.6, 1.5, 2.5), (5, 8, 3), (0.5, 0.85, 0.95)),
+    ((1.2, 0.9, 1.0), (V, V + 3, 0), (1.0, 1.0, 0.999)),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", WARP_CASES)
+def test_warp_probs_equals_the_float64_reference(temperature, top_k, top_p):
+    rng = np.random.default_rng(sum(top_k))
+    logits = rng.normal(scale=2.0, size=(R, T, V)).astype(np.float32)  # no ties
+    probs = np.asarray(warp_jit(jnp.asarray(logits), _params(list(temperature), list(top_k), list(top_p))))
+    for r in range(R):
+        for t in range(T):
+            want = warp_reference(logits[r, t], temperature[r], top_k[r], top_p[r])
+            np.testing.assert_allclose(probs[r, t], want, rtol=1e-5, atol=1e-7, err_msg=f"row {r}, position {t}")
+            assert np.array_equal(probs[r, t] > 0, want > 0), f"support of row {r}, position {t}"
+
+
+def test_warp_probs_ties_follow_the_docstring():
+    """Equal logits: top-k keeps the lower token ids; the nucleus is counted in that order too."""
+    logits = np.zeros((R, T, V), np.float32)
+    logits[..., [2, 5, 7, 9]] = 1.0  # four tied maxima
+    probs = np.asarray(warp_jit(jnp.asarray(logits), _params([1.0, 1.0, 0.5], [3, 0, 0], [1.0, 0.2, 0.2])))
+    for r, (k, p, temperature) in enumerate([(3, 1.0, 1.0), (0, 0.2, 1.0), (0, 0.2, 0.5)]):
+        for t in range(T):
+            want = warp_reference(logits[r, t], temperature, k, p)
+            np.testing.assert_allclose(probs[r, t], want, rtol=1e-5, atol=1e-7)
+    assert np.flatnonzero(probs[0, 0]).tolist() == [2, 5, 7]
+
+
+# Samples from `sample` itself against the reference, one chi-square test per setting: each of the
+# R x DRAWS positions is an independent keyed draw from the same logits.
+DRAWS = 2000
+SAMPLE_CASES = [(0.6, 0, 1.0), (1.7, 0, 1.0), (1.3, 4, 1.0), (0.9, 0, 0.7), (1.2, 6, 0.8)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLE_CASES)
+def test_sampled_tokens_follow_the_float64_reference(temperature, top_k, top_p):
+    from scipy import stats
+
+    row = np.random.default_rng(7).normal(scale=1.5, size=V).astype(np.float32)
+    want = warp_reference(row, temperature, top_k, top_p)
+    binding = (top_k > 0 and np.sum(want > 0) == top_k) or (top_p < 1 and np.sum(want > 0) < V)
+    assert binding or (top_k == 0 and top_p == 1.0)  # every filter in the table removes tokens
+    logits = jnp.broadcast_to(jnp.asarray(row), (R, DRAWS, V))
+    positions = jnp.broadcast_to(jnp.arange(DRAWS, dtype=jnp.int32), (R, DRAWS))
+    tokens = np.asarray(sample_jit(logits, _params(temperature, top_k, top_p, seed=5), positions)).ravel()
+    counts = np.bincount(tokens, minlength=V)
+    assert not counts[want == 0].any(), "a filtered token was drawn"
+    support = want > 0
+    pvalue = stats.chisquare(counts[support], want[support] * tokens.size).pvalue
+    assert pvalue > 1e-3, (counts, np.round(want * tokens.size, 1))  # fixed seeds: never flaky

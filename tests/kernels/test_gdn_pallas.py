@@ -2,8 +2,10 @@
 
 On CPU the kernels run in interpret mode on small heads (dk = dv = 16); on a GPU the same checks
 compile them with Triton on Qwen shapes (dk = dv = 128, HK = 16, HV = 16/32/48). Outputs are
-compared by relative RMS, rms(a - b) / rms(b): < 1e-5 for float32 inputs and < 5e-3 for bfloat16
-inputs (the state stays float32). Pools are compared on every slot but the null slot 0 (padding
+compared by relative RMS, rms(a - b) / rms(b), with a tolerance set by the dtype of the compared
+array, not of the inputs: < 1e-5 for float32 (o and the state pools are float32 whatever the input
+dtype; measured in interpret mode: <= 1e-7, and 0 for verify with bfloat16 inputs), < 5e-3 for the
+bfloat16 conv output (about one bfloat16 rounding, 2^-8). Pools are compared on every slot but the null slot 0 (padding
 rows all write there, in an unspecified order); conv lines must match exactly.
 """
 
@@ -21,7 +23,7 @@ from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 5e-3}
+RTOL = {"float32": 1e-5, "bfloat16": 5e-3}  # by the dtype of the compared output
 SMALL = {"hk": 2, "dk": 16, "dv": 16}  # interpret-mode heads: HV = 2 r
 QWEN = {"hk": 16, "dk": 128, "dv": 128}  # GPU heads: HV = 16 r (Qwen3.5-2B / Next / 27B for r = 1 / 2 / 3)
 
@@ -39,9 +41,14 @@ def rel_rms(a, b) -> float:
 
 
 def assert_close(got, want, dtype):
+    """rel_rms(got, want) within the tolerance of want's dtype (dtype, the inputs' dtype, does not
+    loosen it: a float32 output of bfloat16 inputs is held to float32's tolerance)."""
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    tol = RTOL[np.dtype(want.dtype).name]
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape and np.isfinite(got).all()
-    assert rel_rms(got, want) < RTOL[dtype]
+    err = rel_rms(got, want)
+    assert err < tol, f"relative RMS error {err:.3g} >= {tol:g} ({np.dtype(dtype).name} inputs)"
 
 
 def _sigmoid(x):
@@ -183,8 +190,8 @@ def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256,
     )
     y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, block_t=block_t)
     y_ref, lines_ref = conv_ref(*args, mode=mode)
-    assert y.dtype == y_ref.dtype
-    assert_close(y.astype(jnp.float32), y_ref.astype(jnp.float32), dtype)
+    assert y.dtype == y_ref.dtype == dtype
+    assert_close(y, y_ref, dtype)
     np.testing.assert_array_equal(new_lines[1:], lines_ref[1:])
 
 
@@ -244,7 +251,9 @@ def _lower_for_cuda(fn, *shapes):
     traced = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
     try:
         return traced.lower(lowering_platforms=("cuda",)).as_text()
-    except TypeError:  # the keyword moved
+    except TypeError as e:  # only the keyword itself may be missing; a TypeError in a lowering rule fails
+        if "unexpected keyword argument 'lowering_platforms'" not in str(e):
+            raise
         pytest.skip("this jax cannot lower for another platform")
     except RuntimeError as e:  # jax >= 0.11 asks the local GPU for its compute capability
         if "No supported GPU" not in str(e):

@@ -3,12 +3,18 @@ of every family must match (float32, CPU)."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jaxspec
-from tests.models.conftest import VARIANTS, hf_model, prompts
+from jaxspec.cache import cache_shapes
+from jaxspec.models.model import StepBatch, forward
+from jaxspec.ops import resolve_kernels
+from tests.jaxprs import pallas_calls
+from tests.models.conftest import CHUNK, VARIANTS, hf_model, prompts
 
 NEW_TOKENS = 24
 
@@ -78,3 +84,31 @@ def test_pallas_kernels_match_hf(variant, jax_model, hf_reference):
     ps = prompts(model.config.vocab_size)
     assert rel_rms(jaxspec.score(model, ps[-1]), hf_logits) < 1e-4
     assert jaxspec.generate(model, ps, max_new_tokens=NEW_TOKENS).token_ids == hf_gens
+
+
+def model_step_pallas_calls(model, kernels: str, mode: str, T: int) -> int:
+    """pallas_call equations in the jaxpr of one step of model.forward over 2 rows of T tokens."""
+    ecfg = model.engine_config(3)
+    caches = cache_shapes(model.config, ecfg, model.dtype)
+    i32 = jax.ShapeDtypeStruct((2,), jnp.int32)
+    batch = StepBatch(tokens=jax.ShapeDtypeStruct((2, T), jnp.int32), start_pos=i32, num_valid=i32,
+                      block_tables=jax.ShapeDtypeStruct((2, ecfg.pages_per_seq), jnp.int32), state_read=i32,
+                      state_write=i32, conv_read=i32, conv_offset=i32, conv_write=i32)
+
+    def step(params, caches, batch):
+        return forward(params, model.config, caches, batch, mode=mode, kernels=kernels, last_only=False)
+
+    return pallas_calls(step, model.params, caches, batch)
+
+
+@pytest.mark.parametrize("variant", PALLAS_VARIANTS)
+def test_pallas_kernels_are_in_the_model_step(variant, jax_model):
+    """kernels="pallas" puts a pallas_call into the model's prefill and verify steps (attention,
+    and for the hybrids GDN and conv), kernels="xla" none: the parity test above runs the kernels."""
+    model, _ = jax_model(variant, kernels="pallas")
+    assert resolve_kernels(model.kernels) == "pallas"
+    for mode, T in (("prefill", CHUNK), ("verify", 4)):
+        calls = model_step_pallas_calls(model, "pallas", mode, T)
+        # attention layers: paged attention; GDN layers: the recurrence and the conv
+        assert calls >= len(model.config.attention_layers) + 2 * len(model.config.gdn_layers), (mode, calls)
+        assert model_step_pallas_calls(model, "xla", mode, T) == 0

@@ -16,6 +16,7 @@ from jaxspec import loop
 from jaxspec.speculative import round as round_module
 from jaxspec.speculative import verify
 from tests.speculative.conftest import NEW_TOKENS, load
+from tests.test_sampling import warp_reference
 
 VOCAB = 12
 N = 3000  # sampled requests per run
@@ -57,16 +58,18 @@ def _first_two(model, speculative=None) -> np.ndarray:
     return np.asarray(result.token_ids)
 
 
-def _conditional_pvalue(pairs: np.ndarray, exact: dict[int, np.ndarray]) -> float:
+def _conditional_pvalue(pairs: np.ndarray, exact: dict[int, np.ndarray], min_dof: int = 21) -> float:
     """Chi-square test of the second token given the first: sum over first tokens t (with >= 100
     samples) of the goodness of fit of the second token to p(. | PROMPT, t); bins expecting fewer
-    than 5 counts are merged."""
+    than 5 counts are merged; a token outside the support of p fails outright."""
     statistic, dof = 0.0, 0
     for t, p in exact.items():
         second = pairs[pairs[:, 0] == t, 1]
         if len(second) < 100:
             continue
         expected, observed = p * len(second), np.bincount(second, minlength=VOCAB)
+        if observed[p == 0].any():
+            return 0.0
         big = expected >= 5
         e = np.append(expected[big], expected[~big].sum())
         o = np.append(observed[big], observed[~big].sum())
@@ -74,7 +77,7 @@ def _conditional_pvalue(pairs: np.ndarray, exact: dict[int, np.ndarray]) -> floa
             e, o = e[:-1], o[:-1]
         statistic += float(np.sum((o - e) ** 2 / e))
         dof += len(e) - 1
-    assert dof > 20  # several first tokens, each with a spread-out second token
+    assert dof >= min_dof  # several first tokens, each with a spread-out second token
     return float(stats.chi2.sf(statistic, dof))
 
 
@@ -108,3 +111,33 @@ def test_first_round_token_follows_target_distribution(tiny, monkeypatch):
     with monkeypatch.context() as wrong:  # the classic bug: resample from p, not max(p - q, 0)
         wrong.setattr(verify, "_residual", lambda p_j, *_: p_j)
         assert _conditional_pvalue(_first_two(tiny, ngram), exact) < 1e-6
+
+
+# Temperature 1.4 with top-k and top-p both binding at the first and second token (temperature alone
+# is checked against the same oracle by test_sampling.py and test_verify.py). The oracle is
+# tests/test_sampling.warp_reference (float64, HF's warper semantics) of jaxspec.score's logits,
+# not warp_probs.
+WARPED = {"top_k_top_p": dict(temperature=1.4, top_k=5, top_p=0.8)}
+
+
+@pytest.mark.parametrize("case", sorted(WARPED))
+def test_warped_first_round_token_follows_the_oracle(tiny, case):
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0) | WARPED[case]
+
+    def oracle(tokens):
+        return warp_reference(np.asarray(jaxspec.score(tiny, PROMPT + tokens)[-1]), **settings)
+
+    first = oracle([])
+    n = 2000
+    result = jaxspec.generate(tiny, [PROMPT] * n, max_new_tokens=2, seed=list(range(n)),
+                              speculative=jaxspec.SpeculativeConfig("ngram", K), **WARPED[case])
+    pairs = np.asarray(result.token_ids)
+    exact = {int(t): oracle([int(t)]) for t in np.unique(pairs[:, 0])}
+    if settings["top_k"]:  # both filters bind: fewer tokens than top_k survive top-p somewhere
+        assert all(np.sum(p > 0) <= settings["top_k"] for p in [first, *exact.values()])
+        assert min(np.sum(p > 0) for p in [first, *exact.values()]) < settings["top_k"]
+    assert 0.05 < result.stats.acceptance_rate < 0.95, result.stats.summary()
+    counts = np.bincount(pairs[:, 0], minlength=VOCAB)  # the prefill token: a plain draw
+    assert not counts[first == 0].any()
+    assert stats.chisquare(counts[first > 0], first[first > 0] * n).pvalue > ALPHA
+    assert _conditional_pvalue(pairs, exact, min_dof=8) > ALPHA  # the speculative round's token

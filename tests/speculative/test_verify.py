@@ -19,6 +19,7 @@ from jaxspec.sampling import (
     warp_probs,
 )
 from jaxspec.speculative.verify import rejection_sample
+from tests.test_sampling import warp_reference
 
 verify_jit = jax.jit(rejection_sample)
 sample_jit = jax.jit(sample)
@@ -119,7 +120,11 @@ def test_zero_drafts_equals_plain_sample(k):
 N, K, VOCAB = 20_000, 2, 5
 ALPHA = 1e-3  # a correct sampler fails a check with probability 1e-3 (fixed seeds: never flaky)
 ALL_DRAFTS = jnp.full(N, K, jnp.int32)
-PARAM_CASES = [dict(temperature=1.0), dict(temperature=1.5, top_k=4, top_p=0.9)]
+# The warped target comes from an independent float64 oracle (tests/test_sampling.warp_reference),
+# not from warp_probs: temperature alone, and top-k and top-p each binding.
+PARAM_CASES = [dict(temperature=1.0), dict(temperature=1.5, top_k=4, top_p=0.9), dict(temperature=0.6),
+               dict(temperature=1.3, top_k=3), dict(temperature=0.8, top_p=0.75)]
+CASE_IDS = ["plain", "warped", "cold", "top_k", "top_p"]
 
 
 @functools.cache
@@ -133,7 +138,10 @@ def _distribution_setup(one_hot: bool, case: int):
     target = jnp.asarray(rng.normal(size=(1 + K, VOCAB)) * 1.5, jnp.float32)  # [1+K, V]
     logits = jnp.broadcast_to(target, (N, 1 + K, VOCAB))
     params = make_sampling_params(N, seed=2024, **PARAM_CASES[case])
-    p = np.asarray(warp_jit(logits, params)[0], np.float64)  # every row has the same target
+    case_ = dict(temperature=1.0, top_k=0, top_p=1.0) | PARAM_CASES[case]
+    p = np.stack([warp_reference(row, **case_) for row in np.asarray(target)])  # [1+K, V], every row's target
+    if case_["top_k"] or case_["top_p"] < 1:  # the filter binds at every position
+        assert all(0 < np.sum(pi > 0) < VOCAB for pi in p), p
     # A drafter that roughly agrees with the target: q = softmax(target logits + noise).
     q_draw = jax.nn.softmax(target[:K] + rng.normal(size=(K, VOCAB)) * 1.5)  # [K, V]
     # One-hot mode: the same sampled tokens, verified as if q were one-hot at them.
@@ -178,7 +186,7 @@ def _chi2_sf(x: float, df: int) -> float:
 
 
 @pytest.mark.parametrize("one_hot", [False, True], ids=["q", "one_hot"])
-@pytest.mark.parametrize("case", range(len(PARAM_CASES)), ids=["plain", "warped"])
+@pytest.mark.parametrize("case", range(len(PARAM_CASES)), ids=CASE_IDS)
 def test_emitted_tokens_follow_target(one_hot, case):
     logits, drafts, draft_probs, params, positions, p, q_draw = _distribution_setup(one_hot, case)
     tokens, num_emitted = verify_jit(logits, drafts, draft_probs, params, positions, ALL_DRAFTS)
