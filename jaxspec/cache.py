@@ -53,10 +53,43 @@ def params_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
 
+POOL_HEADROOM = 0.08  # of the budget, kept free for activations and executables when sizing the KV pool
+
+
+def page_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype, extra_layers: int = 0) -> int:
+    """Bytes one KV page costs across every attention layer (K and V), plus `extra_layers` layers
+    that share the target's page ids (the MTP head's)."""
+    layers = len(cfg.attention_layers) + extra_layers
+    return 2 * layers * ecfg.page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def plan_pool(model, ecfg: EngineConfig, budget: int | None) -> int:
+    """Pages for the KV pool (the null page included): what the budget leaves after the weights,
+    the GDN state and conv slots of max_num_seqs requests and a headroom of POOL_HEADROOM, divided
+    by the bytes of a page (the MTP head's KV, which shares page ids, included); never more than
+    max_num_seqs requests of max_model_len can use. No budget (CPU): that maximum. A budget too
+    small for even the weights also gets the maximum, so that check_budget refuses it by name."""
+    full = 1 + ecfg.max_num_seqs * ecfg.pages_per_seq
+    if budget is None:
+        return full
+    fixed = cache_bytes(model.config, ecfg, model.dtype)
+    mtp_layers = len(model.params.get("mtp", {}).get("layers", ())) if isinstance(model.params, dict) else 0
+    left = budget * (1 - POOL_HEADROOM) - params_bytes(model.params) - fixed["gdn_state"] - fixed["conv_windows"]
+    pages = int(left // page_bytes(model.config, ecfg, model.dtype, mtp_layers))
+    return full if pages < 2 else min(full, pages)
+
+
 def device_memory_bytes() -> int | None:
     """Bytes the default device can hold, where the backend reports it (GPUs do; CPU does not)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+def budget_of(model) -> int | None:
+    """The one answer to "how many bytes may this model's engines use": its memory_budget, else
+    what the device reports (GPUs do; CPUs do not: None, no check)."""
+    budget = getattr(model, "memory_budget", None)
+    return budget if budget is not None else device_memory_bytes()
 
 
 def check_budget(plan: dict[str, int], budget: int | None) -> None:

@@ -40,6 +40,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="decode steps / speculative rounds per executable call (read back together)")
     p.add_argument("--dispatch-ahead", type=int, default=1,
                    help="calls enqueued before the oldest one's tokens are read (0 = synchronous)")
+    p.add_argument("--num-kv-pages", type=_positive("num-kv-pages"), default=None,
+                   help="KV pool pages incl. the null page (default: sized from the memory budget)")
     p.add_argument("--cache-dir", default="default",
                    help="persistent compilation cache (default: $JAXSPEC_CACHE_DIR or the user cache dir)")
     p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
@@ -92,6 +94,7 @@ def _load(args, path=None, k_values=()):
                         max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
                         max_num_speculative_tokens=max_k, k_mode=args.k_mode,
                         rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ahead=args.dispatch_ahead,
+                        num_kv_pages=args.num_kv_pages,
                         cache_dir=None if args.no_cache else args.cache_dir)
 
 
@@ -154,9 +157,12 @@ def _memory_lines(model, k_values) -> list[str]:
 
     lines = []
     for k in sorted({max(k, model.max_num_speculative_tokens) for k in (0, *k_values)}):
-        plan = memory_plan(model, model.engine_config(k))
+        ecfg = model.engine_config(k)
+        plan = memory_plan(model, ecfg)
         parts = ", ".join(f"{name} {b / 2**20:.2f} MiB" for name, b in plan.items())
-        lines.append(f"  caches k_max={k}: {parts}; total {sum(plan.values()) / 2**20:.2f} MiB")
+        lines.append(f"  caches k_max={k}: {parts}; total {sum(plan.values()) / 2**20:.2f} MiB; KV pool "
+                     f"{ecfg.total_pages - 1} pages = {(ecfg.total_pages - 1) * ecfg.page_size} concurrent tokens "
+                     f"(max_num_seqs x max_model_len = {ecfg.max_num_seqs * ecfg.max_model_len})")
     return lines
 
 

@@ -379,16 +379,15 @@ def format_reports(reports: list[CompileReport]) -> str:
 
 def check_table_memory(model, table: list[Bucket], draft_model=None, budget: int | None = None) -> None:
     """Refuse, before anything is allocated or compiled, a table whose largest engine (weights +
-    caches, plus the draft model's) does not fit the device (or the given budget)."""
+    caches, plus the draft model's caches or the MTP head's KV pools, as the run would allocate
+    them) does not fit the device (or the given budget)."""
     from jaxspec import cache
     from jaxspec.engine import memory_plan
-    from jaxspec.speculative.session import draft_engine_config
 
-    budget = budget if budget is not None else getattr(model, "memory_budget", None) or cache.device_memory_bytes()
+    budget = budget if budget is not None else cache.budget_of(model)
     for k in sorted({b.engine_k for b in table}):
         ecfg = model.engine_config(k)
         plan = memory_plan(model, ecfg)
-        if draft_model is not None and k:
-            draft_plan = memory_plan(draft_model, draft_engine_config(ecfg, draft_model, k))
-            plan.update({f"draft_{name}": size for name, size in draft_plan.items()})
+        for method, mk in sorted({(b.method, b.k) for b in table if b.method and b.engine_k == k}):
+            plan.update(SESSIONS[method].memory(model, ecfg, mk, draft_model))  # as the run allocates it
         cache.check_budget(plan, budget)

@@ -151,9 +151,7 @@ class Engine:
         self.model, self.cfg, self.ecfg = model, model.config, ecfg
         self.kernels = ops.resolve_kernels(model.kernels)
         self.memory_plan = memory_plan(model, ecfg)
-        if memory_budget is None:
-            memory_budget = getattr(model, "memory_budget", None)
-        budget = memory_budget if memory_budget is not None else cache.device_memory_bytes()
+        budget = memory_budget if memory_budget is not None else cache.budget_of(model)
         cache.check_budget(self.memory_plan, budget)  # refuse before allocating anything
         self.caches = cache.allocate(self.cfg, ecfg, model.dtype)
         self.state = init_loop_state(ecfg)

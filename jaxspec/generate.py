@@ -24,6 +24,7 @@ class GenerateStats:
     tokens: int = 0  # generated tokens
     steps: int = 0  # decode / verify steps
     prefill_steps: int = 0
+    preemptions: int = 0  # requests stopped to free KV pages, then re-admitted by recomputation
     seconds: float = 0.0
     # speculative counters (filled when speculative= is set)
     drafted: int = 0
@@ -53,6 +54,8 @@ class GenerateStats:
     def summary(self) -> str:
         line = (f"{self.tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_second:.1f} tok/s), "
                 f"{self.steps} steps, {self.prefill_steps} prefill chunks")
+        if self.preemptions:
+            line += f", {self.preemptions} preemptions"
         if self.verify_steps:
             line += (f"; drafted {self.drafted}, accepted {self.accepted} "
                      f"({100 * self.acceptance_rate:.1f}%), tau {self.tau:.2f}")

@@ -9,6 +9,7 @@ orbax params; faster to reload than re-converting), or (c) a built-in demo name:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class Model:
     rounds_per_dispatch: int = 1  # S: decode steps / speculative rounds per executable call
     dispatch_ahead: int = 1  # dispatches enqueued before the oldest one's tokens are read (0 = synchronous)
     decode_tokens: int | str = "auto"  # tokens per row of a plain decode step: 1, or 2 (one inert column)
+    num_kv_pages: int | None = None  # KV pool pages incl. the null page; None = sized by cache.plan_pool
     hf_config: dict = field(default_factory=dict)
     _engines: dict = field(default_factory=dict, repr=False)
     _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)  # open streams
@@ -67,10 +69,14 @@ class Model:
         return tokens - 1
 
     def engine_config(self, num_speculative_tokens: int = 0) -> EngineConfig:
-        return EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+        ecfg = EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                             page_size=self.page_size, prefill_chunk=self.prefill_chunk,
                             max_num_speculative_tokens=num_speculative_tokens,
                             request_buckets=self.request_buckets)
+        pages = self.num_kv_pages
+        if pages is None:
+            pages = cache.plan_pool(self, ecfg, cache.budget_of(self))
+        return dataclasses.replace(ecfg, num_pages=pages) if pages != ecfg.total_pages else ecfg
 
     def engine(self, num_speculative_tokens: int = 0):
         """The engine serving k draft tokens per round (0 = plain decoding), created (and its caches
@@ -92,8 +98,7 @@ def check_memory(model: Model, ecfg: EngineConfig) -> None:
     """Raise cache.MemoryBudgetError when weights + caches for ecfg exceed the model's budget."""
     from jaxspec.engine import memory_plan
 
-    budget = model.memory_budget if model.memory_budget is not None else cache.device_memory_bytes()
-    cache.check_budget(memory_plan(model, ecfg), budget)
+    cache.check_budget(memory_plan(model, ecfg), cache.budget_of(model))
 
 
 def _resolve_dtype(dtype: str, cfg: ModelConfig):
@@ -161,7 +166,8 @@ K_MODES = ("per_k", "pad_to_max")
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
          k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
-         rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto") -> Model:
+         rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto",
+         num_kv_pages: int | None = None) -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
@@ -177,6 +183,12 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     decode_tokens: tokens per row of a plain decode step: 1, or 2 (the second an inert column, so the
     step's matmuls have the verify's shape; the caches then hold state for two tokens); "auto" = 2 on
     GPUs, 1 elsewhere.
+    num_kv_pages: pages in each attention layer's KV pool (page 0 is the null page). None sizes the
+    pool from the memory budget (cache.plan_pool: what is left after the weights, the GDN state and
+    conv slots of max_num_seqs requests, draft caches and a headroom for activations), capped at
+    what max_num_seqs requests of max_model_len can use; with no budget (CPU) the cap. Fewer pages
+    than the cap share memory among requests: admission waits for free pages, and a request that
+    runs out is preempted and later recomputed (docs/architecture.md, "Life of a request").
     memory_budget: bytes the weights plus the caches may use (None = the device's limit, where it
     reports one); an engine that would exceed it is refused before its caches are allocated, with
     cache.MemoryBudgetError naming the largest component. The plain-decoding engine is checked here.
@@ -191,6 +203,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     for name, value, low in (("rounds_per_dispatch", rounds_per_dispatch, 1), ("dispatch_ahead", dispatch_ahead, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    if num_kv_pages is not None and (not isinstance(num_kv_pages, int) or num_kv_pages < 2):
+        raise ValueError(f"num_kv_pages={num_kv_pages!r} must be an integer >= 2 (page 0 is the null page) or None")
     if decode_tokens not in ("auto", 1, 2) or isinstance(decode_tokens, bool):
         raise ValueError(f"decode_tokens={decode_tokens!r} is not valid; choose 'auto', 1 or 2")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
@@ -216,7 +230,7 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                   page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
                   k_mode=k_mode, memory_budget=memory_budget, rounds_per_dispatch=rounds_per_dispatch,
-                  dispatch_ahead=dispatch_ahead, decode_tokens=decode_tokens)
+                  dispatch_ahead=dispatch_ahead, decode_tokens=decode_tokens, num_kv_pages=num_kv_pages)
     if memory_budget is not None:
         # refuse now, not at generate
         check_memory(model, model.engine_config(max(max_num_speculative_tokens, model.decode_pad)))

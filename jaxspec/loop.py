@@ -9,6 +9,13 @@ so Python's bookkeeping, stop checks and streaming overlap the GPU. A request th
 dispatch keeps running in the dispatches already enqueued; what it emits past its stop is
 discarded, and its pages were reserved ahead for exactly that. Admission (the prompt's prefill)
 reads the first token at once: it happens once per request, not once per step.
+
+The KV pool may hold fewer pages than every slot could use (Model.num_kv_pages). A request is
+admitted only while its prompt plus the positions one dispatch can write fit in the free pages;
+when a running request needs a page and none is free, the latest-admitted request is preempted:
+its slot and pages are freed, the tokens it already returned are kept, and it waits at the head of
+the queue to be re-admitted by prefilling its prompt plus those tokens. Randomness is keyed by
+(seed, request, position), so its output is the one it would have had alone.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxspec.cache import MemoryBudgetError
 from jaxspec.engine import _device_int32
 from jaxspec.speculative.round import round_executable
 from jaxspec.speculative.session import make_session
@@ -40,6 +48,13 @@ class Request:
     generated: list[int] = field(default_factory=list)
     slot: int = 0
     finish_reason: str | None = None
+    epoch: int = 0  # admissions so far: rows of an earlier admission still in flight are ignored
+    preemptions: int = 0
+
+    @property
+    def limit(self) -> int:
+        """Positions the request can ever need: KV past them is never read back."""
+        return len(self.prompt) + self.max_new_tokens
 
     @property
     def num_cached(self) -> int:
@@ -67,6 +82,7 @@ class Dispatch:
     """One enqueued executable: the requests of its rows (row order) and its device outputs."""
 
     requests: list[Request]
+    epochs: list[int]  # each row's request epoch when dispatched
     emitted: jax.Array  # [S, R, 1+k] int32
     num_emitted: jax.Array  # [S, R] int32
 
@@ -80,10 +96,23 @@ def run(model, requests: list[Request], spec, stats):
     engine = model.engine(model.decode_pad if spec is None else k)
     k_run = model.decode_pad if spec is None else engine.ecfg.max_num_speculative_tokens \
         if model.k_mode == "pad_to_max" else k
+    check_pool(engine, requests)  # before anything runs: a request that can never fit is refused
     session = make_session(model, engine, spec, requests, k_run)
     loop = Loop(model, engine, session, k_run, k, stats)
     with loop.releasing():
         yield from loop.events(requests)
+
+
+def check_pool(engine, requests: list[Request]) -> None:
+    """Refuse a request whose prompt plus max_new_tokens exceeds the whole KV pool."""
+    ecfg = engine.ecfg
+    pool = (ecfg.total_pages - 1) * ecfg.page_size  # page 0 is the null page
+    for req in requests:
+        if req.limit > pool:
+            raise ValueError(f"prompts[{req.index}] needs {len(req.prompt)} + max_new_tokens={req.max_new_tokens} = "
+                             f"{req.limit} KV positions but the whole pool holds {pool} ({ecfg.total_pages - 1} pages "
+                             f"of {ecfg.page_size}); shorten it, lower max_new_tokens or load with a larger "
+                             f"num_kv_pages")
 
 
 class Loop:
@@ -94,16 +123,18 @@ class Loop:
         self.k_run, self.k = k_run, k
         self.steps = model.rounds_per_dispatch
         self.ahead = model.dispatch_ahead
-        self.active: list[Request] = []  # admitted, slot held (finished ones until retired)
+        self.active: list[Request] = []  # admitted, slot held, in admission order (finished ones until retired)
+        self.pending: deque[Request] = deque()
         self.inflight: deque[Dispatch] = deque()
         self._num_drafts = jax.device_put(np.int32(k))
 
     # ---- the loop ----------------------------------------------------------------------------
     def events(self, requests: list[Request]):
-        pending = deque(requests)
+        pending = self.pending
+        pending.extend(requests)
         while pending or self.active or self.inflight:
             self.retire()  # first, so a slot freed by the last results is reused at once
-            while pending and self.engine.free_slots:
+            while pending and self.engine.free_slots and self.fits(pending[0]):
                 req = pending.popleft()
                 yield req.index, self.admit(req)
                 self.retire()  # a request may end on its first token
@@ -116,18 +147,35 @@ class Loop:
             elif pending and not self.engine.free_slots:
                 raise RuntimeError(f"all {self.engine.ecfg.max_num_seqs} request slots are held outside this "
                                    f"generation (an unfinished stream?); close that stream or let it finish first")
+            elif pending and not running:
+                raise RuntimeError(f"prompts[{pending[0].index}] does not fit the {self.engine.pages.num_free} free "
+                                   f"KV pages although nothing else runs")
+
+    def horizon(self, dispatches: int) -> int:
+        """Positions past a request's cache that `dispatches` dispatches may write."""
+        return dispatches * self.steps * (1 + self.k_run) + self.session.lookahead
+
+    def fits(self, req: Request) -> bool:
+        """Admission by free pages: the prompt (plus what a preempted request already generated)
+        and one dispatch's positions must fit in the free KV pages."""
+        eng = self.engine
+        need = min(len(req.prompt) + len(req.generated) + self.horizon(1), req.limit)
+        return -(-need // eng.ecfg.page_size) <= eng.pages.num_free
 
     def admit(self, req: Request) -> list[int]:
         """Slot, sampling settings, prompt prefill (its first token read back: once per request),
-        drafter admission. Returns the first token (or nothing, if it already stopped)."""
+        drafter admission. A preempted request prefills its prompt plus the tokens it already
+        returned. Returns the new token (or nothing, if it already stopped)."""
         eng = self.engine
         req.slot = eng.acquire_slot()
+        req.epoch += 1
         self.active.append(req)
         eng.set_sampling(req.slot, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                          request_id=req.index)
         hook = self.session.prefill_hook
-        first = eng.prefill(req.slot, req.prompt, hook(req) if hook else None)
-        self.stats.prefill_steps += -(-len(req.prompt) // eng.ecfg.prefill_chunk)
+        tokens = req.prompt + req.generated
+        first = eng.prefill(req.slot, tokens, hook(req) if hook else None)
+        self.stats.prefill_steps += -(-len(tokens) // eng.ecfg.prefill_chunk)
         kept = req.extend([int(np.asarray(first)[0])])
         if not req.finish_reason:
             self.session.admit(req)
@@ -135,13 +183,10 @@ class Loop:
 
     def dispatch(self, running: list[Request]) -> None:
         """Enqueue `steps` rounds for the running requests without waiting for anything."""
-        eng, S, T = self.engine, self.steps, 1 + self.k_run
-        # Pages for every position the dispatches in flight and this one may write: each round
-        # writes at most T positions from the request's (host-known) cache length.
-        horizon = (len(self.inflight) + 1) * S * T + self.session.lookahead
-        for req in running:
-            eng.reserve(req.slot, req.num_cached + horizon)
-            self.session.reserve(req, req.num_cached + horizon)
+        eng, S = self.engine, self.steps
+        running = self.reserve(running)
+        if not running:
+            return
         eng.sync_tables()
         R = eng.ecfg.request_bucket(len(running))
         rows = _device_int32(tuple(r.slot for r in running) + (0,) * (R - len(running)))
@@ -152,13 +197,42 @@ class Loop:
             self.model.params, eng.caches, eng.state, s.dparams, s.dstate, rows, self._num_drafts, s.aux_tables())
         s.sync()
         jax.copy_to_host_async((emitted, num_emitted))  # lands while the next dispatch runs
-        self.inflight.append(Dispatch(list(running), emitted, num_emitted))
+        self.inflight.append(Dispatch(list(running), [r.epoch for r in running], emitted, num_emitted))
+
+    def reserve(self, running: list[Request]) -> list[Request]:
+        """Pages for every position the dispatches in flight and this one may write (each round
+        writes at most 1 + k positions past the request's host-known cache length; never past its
+        limit: rows beyond it are discarded and write only the null page). When the pool runs dry,
+        preempt the latest-admitted running request. Returns the requests still running."""
+        horizon = self.horizon(len(self.inflight) + 1)
+        for req in list(running):
+            need = min(req.num_cached + horizon, req.limit)
+            while req in running:
+                try:
+                    self.engine.reserve(req.slot, need)
+                    self.session.reserve(req, need)
+                    break
+                except MemoryBudgetError:
+                    victim = running[-1]  # running follows admission order
+                    self.preempt(victim)
+                    running.remove(victim)
+        return running
+
+    def preempt(self, req: Request) -> None:
+        """Free req's slot and pages now; it waits at the head of the queue and is re-admitted by
+        recomputing its prompt plus the tokens it already returned. Its rows in flight are ignored."""
+        self.active.remove(req)
+        self._release(req)
+        req.epoch += 1  # its rows still in flight belong to the old admission
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.pending.appendleft(req)
 
     def collect(self, d: Dispatch):
         """Read one dispatch's results (a round behind the device) and hand out its tokens."""
         emitted, num_emitted = jax.device_get((d.emitted, d.num_emitted))  # [S, R, 1+k], [S, R]
         for s in range(emitted.shape[0]):
-            live = [i for i, r in enumerate(d.requests) if not r.finish_reason]
+            live = [i for i, r in enumerate(d.requests) if not r.finish_reason and r.epoch == d.epochs[i]]
             if not live:
                 break
             self.record(num_emitted[s, live])

@@ -46,6 +46,11 @@ class Session:
         """Refuse, with an error naming the value, a SpeculativeConfig this target cannot serve."""
 
     @classmethod
+    def memory(cls, model, ecfg: EngineConfig, k: int, draft_model) -> dict[str, int]:
+        """Bytes the method allocates beside the target engine (the memory plan's extra entries)."""
+        return {}
+
+    @classmethod
     def make_drafter(cls, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):
         return NoDrafter(k)
 
@@ -192,7 +197,19 @@ class DraftModelSession(Session):
                                  kernels=ops.resolve_kernels(draft_model.kernels))
 
     @classmethod
+    def memory(cls, model, ecfg, k, draft_model):
+        from jaxspec.engine import memory_plan
+
+        plan = memory_plan(draft_model, draft_engine_config(ecfg, draft_model, k))
+        return {f"draft_{name}": size for name, size in plan.items()}
+
+    @classmethod
     def create(cls, model, engine, drafter, spec):
+        from jaxspec import cache
+
+        # target and draft together, before the draft engine allocates anything
+        plan = {**engine.memory_plan, **cls.memory(model, engine.ecfg, drafter.k, spec.draft_model)}
+        cache.check_budget(plan, cache.budget_of(model))
         draft_engine = spec.draft_model.engine_for(drafter.ecfg)
         return cls(drafter, dparams=spec.draft_model.params, dstate={"caches": draft_engine.caches},
                    extra={"engine": draft_engine})
@@ -263,12 +280,15 @@ class MtpSession(Session):
                               max_model_len=ecfg.max_model_len, kernels=ops.resolve_kernels(model.kernels))
 
     @classmethod
+    def memory(cls, model, ecfg, k, draft_model):
+        return {"mtp_kv": mtp.state_bytes(cls.make_drafter(model, ecfg, k), ecfg, model.dtype)}
+
+    @classmethod
     def create(cls, model, engine, drafter, spec):
         from jaxspec import cache
 
-        plan = {**engine.memory_plan, "mtp_kv": mtp.state_bytes(drafter, engine.ecfg, model.dtype)}
-        budget = model.memory_budget if model.memory_budget is not None else cache.device_memory_bytes()
-        cache.check_budget(plan, budget)  # refuse before allocating the MTP pools
+        plan = {**engine.memory_plan, **cls.memory(model, engine.ecfg, drafter.k, None)}
+        cache.check_budget(plan, cache.budget_of(model))  # refuse before allocating the MTP pools
         return cls(drafter, dparams=mtp.draft_params(model.params),
                    dstate=mtp.init_state(drafter, engine.ecfg, model.dtype), extra={"target_engine": engine})
 

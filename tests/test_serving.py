@@ -1,0 +1,120 @@
+"""Serving more requests than the KV pool holds at once: admission by free pages, preemption of the
+latest-admitted request when the pool runs dry (re-admitted later by recomputing its prompt plus
+what it had returned), refusal of a request that can never fit, and page / slot accounting that is
+whole after every call. Outputs must equal each request run alone, plain and with every drafter,
+greedy and seeded sampling. Float32 on the trained demo pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import cache
+from tests.demo_models import assert_idle
+
+PROMPTS = ["import os\nimport sys\n\n\n", "def __init__(self, name, value):\n    self.",
+           "class Error(Exception):\n    \"\"\"", "        for i in range(len(", "if __name__ == '__main__':\n    "]
+NEW_TOKENS = 40
+SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=96, max_num_seqs=2, prefill_chunk=8, page_size=4)
+POOL = 1 + 14  # 56 positions: any one request fits (<= 13 + 40), two at full length do not
+
+
+@functools.cache
+def target(num_kv_pages: int | None = None) -> jaxspec.Model:
+    model = jaxspec.load("demo", num_kv_pages=num_kv_pages, **SETTINGS)
+    return dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
+
+
+@functools.cache
+def draft() -> jaxspec.Model:
+    return jaxspec.load("demo-draft", **SETTINGS)
+
+
+def speculative(method):
+    if method is None:
+        return None
+    if method == "draft_model":
+        return jaxspec.SpeculativeConfig("draft_model", 3, draft_model=draft())
+    return jaxspec.SpeculativeConfig(method, 3)
+
+
+@functools.cache
+def alone(method) -> tuple:
+    """Each prompt generated alone with the full pool (the oracle)."""
+    return tuple(tuple(jaxspec.generate(target(), [p], max_new_tokens=NEW_TOKENS, speculative=speculative(method))
+                       .token_ids[0]) for p in PROMPTS)
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model", "mtp"])
+def test_preempted_requests_finish_with_their_own_output(method):
+    small = target(POOL)
+    assert small.engine_config(3).total_pages == POOL
+    result = jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=speculative(method))
+    assert result.stats.preemptions > 0, result.stats.summary()  # the pool really ran dry
+    assert tuple(map(tuple, result.token_ids)) == alone(method)
+    assert_idle(small)
+
+
+def test_preemption_keeps_seeded_sampling():
+    small = target(POOL)
+    result = jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=50, seed=7)
+    assert result.stats.preemptions > 0
+    # randomness is keyed by (seed, request index, position): the same call on the full pool, where
+    # nothing is preempted, is the oracle
+    want = jaxspec.generate(target(), PROMPTS, max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=50, seed=7)
+    assert want.stats.preemptions == 0 and result.token_ids == want.token_ids
+    assert_idle(small)
+
+
+def test_a_request_that_can_never_fit_is_refused_and_the_pool_stays_whole():
+    small = target(POOL)
+    before = jaxspec.generate(small, PROMPTS[:2], max_new_tokens=8).token_ids  # computed first
+    with pytest.raises(ValueError, match=r"prompts\[1\] needs 40 \+ max_new_tokens=40 = 80 KV positions but the "
+                                         r"whole pool holds 56 \(14 pages of 4\)"):
+        jaxspec.generate(small, [[5] * 10, list(range(100, 140))], max_new_tokens=40)
+    assert_idle(small)
+    assert jaxspec.generate(small, PROMPTS[:2], max_new_tokens=8).token_ids == before
+
+
+def test_pages_and_slots_are_whole_after_closed_streams_and_errors():
+    small = target(POOL)
+    stream = jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 12:
+            break
+    stream.close()
+    assert_idle(small)
+    with pytest.raises(ValueError):
+        jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS, temperature=-1.0)
+    assert_idle(small)
+
+
+def test_pool_is_sized_from_the_memory_budget():
+    base = target()
+    ecfg = base.engine_config(0)
+    assert ecfg.total_pages == 1 + ecfg.max_num_seqs * ecfg.pages_per_seq  # no budget on CPU: the maximum
+    fixed = cache.params_bytes(base.params) + sum(v for k, v in cache.cache_bytes(base.config, ecfg, base.dtype).items()
+                                                  if k != "kv_pages")
+    per_page = cache.page_bytes(base.config, ecfg, base.dtype, len(base.params["mtp"]["layers"]))
+    budget = int((fixed + 20.5 * per_page) / (1 - cache.POOL_HEADROOM))
+    sized = dataclasses.replace(base, memory_budget=budget, _engines={})
+    assert sized.engine_config(0).total_pages == 20
+    assert dataclasses.replace(base, num_kv_pages=9, _engines={}).engine_config(0).total_pages == 9
+
+
+@pytest.mark.parametrize("value", [0, 1, 2.5, "many"])
+def test_bad_num_kv_pages_is_refused(value):
+    with pytest.raises(ValueError, match="num_kv_pages"):
+        jaxspec.load("demo:qwen3", cache_dir=None, max_model_len=32, num_kv_pages=value)
+
+
+def test_stats_count_preemptions():
+    small = target(POOL)
+    result = jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert "preemptions" in result.stats.summary()
+    assert np.isclose(result.stats.tokens, len(PROMPTS) * NEW_TOKENS)
