@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from benchmarks.common import fmt  # noqa: E402
 
-SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup")
+SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput", "soak")
 
 
 class _Doc:

@@ -97,14 +97,20 @@ def _tokenize(model, prompts) -> list[list[int]]:
 
 
 def _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids) -> list[Request]:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
+    for n in limits:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"max_new_tokens={n!r} must be an integer >= 1 (or a list of them, one per prompt)")
     sampling.validate_sampling(temperature, top_k, top_p)
     ids = _tokenize(model, prompts)
+    if len(limits) == 1:
+        limits = limits * len(ids)
+    if len(limits) != len(ids):
+        raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(ids)} prompts")
     stop = frozenset(model.eos_token_ids) | _stop_ids(stop_token_ids)
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > model.max_model_len:
-            raise ValueError(f"prompts[{i}] has {len(p)} tokens; with {max_new_tokens=} that exceeds "
+    for i, (p, n) in enumerate(zip(ids, limits, strict=True)):
+        if len(p) + n > model.max_model_len:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={n} that exceeds "
                              f"max_model_len={model.max_model_len}; shorten the prompt, lower "
                              f"max_new_tokens or load with a larger max_model_len")
     seeds = seed if isinstance(seed, (list, tuple)) else [seed] * len(ids)
@@ -113,8 +119,8 @@ def _requests(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, s
     for s in seeds:  # checked here, not at the first step, so a stream refuses at call time too
         if not isinstance(s, numbers.Integral) or not 0 <= s < 2**32:
             raise ValueError(f"seed={s!r} must be an integer in [0, 2**32)")
-    return [Request(i, p, max_new_tokens, stop, float(temperature), int(top_k), float(top_p), int(s))
-            for i, (p, s) in enumerate(zip(ids, seeds, strict=False))]
+    return [Request(i, p, n, stop, float(temperature), int(top_k), float(top_p), int(s))
+            for i, (p, n, s) in enumerate(zip(ids, limits, seeds, strict=True))]
 
 
 def _stop_ids(stop_token_ids) -> frozenset[int]:
@@ -149,7 +155,7 @@ def _op_by_op(events):
         events.close()
 
 
-def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+def generate(model, prompts, *, max_new_tokens: int | list[int] = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | list[int] = 0, stop_token_ids=None, speculative=None,
              stream: bool = False, eager: bool = False):
     """Generate continuations for one prompt or many.
@@ -161,6 +167,7 @@ def generate(model, prompts, *, max_new_tokens: int = 128, temperature: float = 
     stream=True returns an iterator of (request index, new token ids) in production order, with
     .stats and .close(); a stream left half-read is ended (its slots freed) by the model's next
     generate or score call.
+    max_new_tokens: one limit for every prompt, or a list with one per prompt.
     eager=True runs every step op by op instead of through the compiled executables (slow; for A/B).
     Requests beyond max_num_seqs wait for a free slot. Random numbers are keyed by (seed, request
     index, position), so a prompt's sample does not depend on what else is in the batch.

@@ -24,8 +24,8 @@ from benchmarks import common
 REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "plot",
-           "report")
+SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput",
+           "plot", "report")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -46,9 +46,9 @@ def smoke(tmp_path_factory) -> dict:
     """{script: (json dict, stdout)} of every smoke run, plus the --help outputs."""
     out = tmp_path_factory.mktemp("bench")
     path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step",
-                                                   "demo_drafters", "startup")}
+                                                   "demo_drafters", "startup", "throughput")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    beside = ("kernels", "peers", "profile_step", "demo_drafters", "startup")
+    beside = ("kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput")
     side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in beside}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
@@ -119,7 +119,7 @@ def test_kernels_smoke(smoke):
     done = {(r["kernel"], r["impl"]) for r in doc["results"]}
     # Every kernel ran both ways: a Pallas row may not vanish into errors or a budget skip.
     assert done == {(kernel, impl) for kernel in ("gdn_verify", "attention", "conv", "prefill")
-                    for impl in ("xla", "pallas")}, done
+                    for impl in ("xla", "pallas")} | {("attention", "pallas_onepass")}, done
     assert not doc["errors"] and [s["what"] for s in doc["skipped"]] == ["fla"], (doc["errors"], doc["skipped"])
     for r in doc["results"]:
         assert r["us"] > 0 and r["floor_us"] > 0 and r["T"] == r["k"] + 1
@@ -146,6 +146,20 @@ def test_profile_step_smoke(smoke):
     for r in doc["results"]:
         assert r["pipelined_ms"] > 0 and r["floor_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
     assert "top kernels" in smoke["stdout"]["profile_step"]
+
+
+def test_throughput_smoke(smoke):
+    doc = smoke["json"]["throughput"]
+    _common_keys(doc, "throughput")
+    rows = {(r["batch"], r["method"], r["k"]): r for r in doc["results"]}
+    assert set(rows) == {(b, m, k) for b in (1, 3) for m, k in (("plain", 0), ("ngram", 2), ("replay", 2))}
+    for (batch, _, _), r in rows.items():
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and 0 < r["pool_peak"] <= 1
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert (r["token_latency_p50_ms"] is None) == (r["tokens"] == batch)  # one token each: no gaps
+    # replay's reference is the speculative path's own output, so every undisturbed draft is accepted
+    assert all(rows[(b, "replay", 2)]["tau"] > 1 for b in (1, 3))
+    assert "tok/s" in smoke["stdout"]["throughput"]
 
 
 def test_demo_drafters_smoke(smoke):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
 import pytest
 
 import jaxspec
@@ -56,6 +55,7 @@ def test_preempted_requests_finish_with_their_own_output(method):
     assert small.engine_config(3).total_pages == POOL
     result = jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=speculative(method))
     assert result.stats.preemptions > 0, result.stats.summary()  # the pool really ran dry
+    assert f"{result.stats.preemptions} preemptions" in result.stats.summary()
     assert tuple(map(tuple, result.token_ids)) == alone(method)
     assert_idle(small)
 
@@ -111,10 +111,3 @@ def test_pool_is_sized_from_the_memory_budget():
 def test_bad_num_kv_pages_is_refused(value):
     with pytest.raises(ValueError, match="num_kv_pages"):
         jaxspec.load("demo:qwen3", cache_dir=None, max_model_len=32, num_kv_pages=value)
-
-
-def test_stats_count_preemptions():
-    small = target(POOL)
-    result = jaxspec.generate(small, PROMPTS, max_new_tokens=NEW_TOKENS)
-    assert "preemptions" in result.stats.summary()
-    assert np.isclose(result.stats.tokens, len(PROMPTS) * NEW_TOKENS)

@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""Throughput under load (issue 17): batches of mixed requests through one `jaxspec.generate` call.
+
+Each batch size B runs B requests whose prompt and output lengths are drawn uniformly from
+--prompt-lens and --new-tokens (fixed seed), plain and speculative (ngram, and replay at --alpha
+with the speculative path's own greedy output as reference), for each k in --ks. Reported per run:
+output tok/s, time to first token and per-token latency (p50 / p99 over requests and tokens, from
+a streamed run's arrival times: the host sees a dispatch's tokens when it reads it back), the KV
+pool's peak occupancy and the preemptions. The engine holds max(--batches) slots; --num-kv-pages
+shrinks the pool to force preemption. Where speculation stops paying as B grows, the verify is no
+longer flat in t: compare each speculative row's tok/s with plain at the same B.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import time  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import fmt, log  # noqa: E402
+
+SMOKE = dict(shapes="demo-qwen3.5", batches="1,3", prompt_lens="4,20", new_tokens="4,12", methods="plain,ngram,replay",
+             ks="2", repeats=1)
+METHODS = ("plain", "ngram", "replay")
+
+
+def parse(argv=None):
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,32,64", help="requests per generate call")
+    p.add_argument("--prompt-lens", default="32,512", help="min,max prompt tokens")
+    p.add_argument("--new-tokens", default="32,256", help="min,max generated tokens per request")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--ks", default="3,7", help="draft lengths of the speculative runs")
+    p.add_argument("--alpha", type=float, default=0.8, help="replay acceptance rate")
+    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size (default: from the memory budget)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--cache-dir", default="default", help="persistent XLA cache ('none' = off)")
+    p.set_defaults(repeats=1)
+    args = common.parse_args(p, argv, SMOKE)
+    common.check_choices("--methods", args.methods, METHODS, "method")
+    batches, ks = common.int_list(args.batches), common.int_list(args.ks)
+    lo_hi = [common.int_list(args.prompt_lens), common.int_list(args.new_tokens)]
+    if any(len(x) != 2 or x[0] > x[1] or x[0] < 1 for x in lo_hi):
+        raise SystemExit("--prompt-lens and --new-tokens take min,max with 1 <= min <= max")
+    base = common.SMOKE_ENGINE if args.smoke else common.ENGINE
+    need = lo_hi[0][1] + lo_hi[1][1] + max(ks) + 1
+    args.engine = dict(base, max_num_seqs=max(batches), max_model_len=max(base["max_model_len"], need),
+                       max_num_speculative_tokens=max(ks), num_kv_pages=args.num_kv_pages)
+    args.batch_list, args.k_list, (args.prompt_range, args.new_range) = batches, ks, lo_hi
+    return args
+
+
+def workload(batch: int, args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """batch prompts and output lengths, drawn from a seed that depends on the batch size only."""
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + batch)
+    lens = rng.integers(args.prompt_range[0], args.prompt_range[1] + 1, batch)
+    news = rng.integers(args.new_range[0], args.new_range[1] + 1, batch)
+    return [rng.integers(0, min(vocab, 32000), int(n)).tolist() for n in lens], [int(n) for n in news]
+
+
+def percentile(values, q: float):
+    import numpy as np
+
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def timed_stream(model, prompts, news, spec) -> dict:
+    """One streamed generate call: arrival times per request, pool occupancy, stats."""
+    import jaxspec
+
+    start = time.perf_counter()
+    first, gaps, last = {}, [], {}
+    engine_pages = []
+    stream = jaxspec.generate(model, prompts, max_new_tokens=news, speculative=spec, stream=True)
+    for index, new in stream:
+        now = time.perf_counter() - start
+        if index not in first:
+            first[index] = now
+        elif new:  # tokens of one read-back arrive together: spread the gap over them
+            gaps += [(now - last[index]) / len(new)] * len(new)
+        last[index] = now
+        eng = next(iter(model._engines.values()), None)
+        if eng is not None:
+            engine_pages.append((eng.ecfg.total_pages - 1 - eng.pages.num_free) / (eng.ecfg.total_pages - 1))
+    wall = time.perf_counter() - start
+    s = stream.stats
+    return {"wall_s": wall, "tokens": s.tokens, "tokens_per_s": s.tokens / wall, "tau": s.tau,
+            "preemptions": s.preemptions, "ttft_p50_ms": percentile(list(first.values()), 50) * 1e3,
+            "ttft_p99_ms": percentile(list(first.values()), 99) * 1e3,
+            "token_latency_p50_ms": percentile(gaps, 50) and percentile(gaps, 50) * 1e3,
+            "token_latency_p99_ms": percentile(gaps, 99) and percentile(gaps, 99) * 1e3,
+            "pool_peak": max(engine_pages, default=None)}
+
+
+def configs(args) -> list[tuple[str, int]]:
+    out = [("plain", 0)] if "plain" in args.methods else []
+    return out + [(m, k) for m in ("ngram", "replay") if m in args.methods for k in args.k_list]
+
+
+def run_batch(model, batch: int, args, res, budget) -> None:
+    from benchmarks.e2e import _replay_reference
+    from jaxspec.speculative.config import SpeculativeConfig
+
+    prompts, news = workload(batch, args, model.config.vocab_size)
+    plain = None
+    for method, k in configs(args):
+        what = f"B={batch} {method}" + (f" k={k}" if k else "")
+        if not budget.allows():
+            res.skip(what, "budget")
+            continue
+        try:
+            spec = None
+            if method == "ngram":
+                spec = SpeculativeConfig("ngram", k)
+            elif method == "replay":
+                if plain is None:
+                    plain = _plain_tokens(model, prompts, news)
+                ref, _ = _replay_reference(model, prompts, news, plain, [{"method": "replay", "k": k}])
+                spec = SpeculativeConfig("replay", k, replay_tokens=ref, replay_alpha=args.alpha)
+            timed_stream(model, prompts, news, spec)  # warm: every bucket the run passes through
+            runs = [timed_stream(model, prompts, news, spec) for _ in range(args.repeats)]
+            item = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+            res.add({"batch": batch, "method": method, "k": k, **item})
+            log(f"  {what}: {item['tokens_per_s']:.1f} tok/s, ttft p50 {fmt(item['ttft_p50_ms'], 1)} ms, "
+                f"pool peak {fmt(item['pool_peak'])}, {item['preemptions']} preemptions")
+        except Exception as e:
+            res.error(what, e)
+            model._engines.clear()
+
+
+def _plain_tokens(model, prompts, news) -> list[list[int]]:
+    import jaxspec
+
+    return jaxspec.generate(model, prompts, max_new_tokens=news).token_ids
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    names = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b", "qwen3.5-2b"))
+    layers = common.parse_layers(args.layers, names)
+    res = common.Results("throughput", args)
+    res.data["cache_dir"] = common.setup_jax(args.cache_dir)
+    budget = common.Budget(args.budget_s)
+    for name in names:
+        engine = {k: v for k, v in args.engine.items() if k != "num_kv_pages"}
+        model = common.build_model(common.shape_config(name, layers[name]), dtype=args.dtype, kernels=args.kernels,
+                                   engine=engine)
+        model.num_kv_pages = args.num_kv_pages
+        ecfg = model.engine_config(max(args.k_list))
+        res.data.setdefault("pools", {})[name] = {"pages": ecfg.total_pages - 1, "page_size": ecfg.page_size}
+        log(f"{name}: KV pool {ecfg.total_pages - 1} pages of {ecfg.page_size}")
+        for batch in args.batch_list:
+            before = len(res.data["results"])
+            run_batch(model, batch, args, res, budget)
+            for r in res.data["results"][before:]:
+                r["shape"] = name
+        del model
+    res.finish()
+    print_tables(res)
+    return 0
+
+
+def print_tables(res) -> None:
+    rows = [[r.get("shape", ""), r["batch"], r["method"], r["k"] or "", fmt(r["tokens_per_s"], 1), fmt(r["tau"]),
+             fmt(r["ttft_p50_ms"], 1), fmt(r["ttft_p99_ms"], 1), fmt(r["token_latency_p50_ms"], 2),
+             fmt(r["token_latency_p99_ms"], 2), fmt(r["pool_peak"]), r["preemptions"]] for r in res.data["results"]]
+    print("\nthroughput (one generate call per row; latency from streamed arrival times)")
+    print(common.format_table(rows, ["shape", "B", "method", "k", "tok/s", "tau", "ttft p50", "ttft p99",
+                                     "tok p50 ms", "tok p99 ms", "pool peak", "preempt"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
