@@ -26,7 +26,7 @@ import time  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import log  # noqa: E402
 
-SMOKE = dict(minutes=0.5, repeats=1)
+SMOKE = dict(minutes=0.2, repeats=1)
 METHODS = (None, "ngram", "draft_model", "mtp")
 K = 2
 SETTINGS = dict(dtype="float32", max_model_len=96, max_num_seqs=3, prefill_chunk=16, page_size=8)
@@ -46,9 +46,9 @@ def parse(argv=None):
 def models(kernels: str):
     import jaxspec
 
-    target = jaxspec.load("demo", kernels=kernels, num_kv_pages=POOL, cache_dir=None, **SETTINGS)
+    target = jaxspec.load("demo", kernels=kernels, num_kv_pages=POOL, **SETTINGS)
     target = dataclasses.replace(target, config=target.config.replace(eos_token_ids=()), _engines={})
-    return target, jaxspec.load("demo-draft", kernels=kernels, cache_dir=None, **SETTINGS)
+    return target, jaxspec.load("demo-draft", kernels=kernels, **SETTINGS)
 
 
 def warm_up(target, draft) -> None:
