@@ -40,7 +40,7 @@ def parse(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--cache-dir", default="default", help="persistent XLA cache ('none' = off)")
-    p.set_defaults(repeats=1)
+    p.set_defaults(repeats=3)  # every cell: one warm-up run, then the median of 3 timed runs
     args = common.parse_args(p, argv, SMOKE)
     common.check_choices("--methods", args.methods, METHODS, "method")
     batches, ks = common.int_list(args.batches), common.int_list(args.ks)

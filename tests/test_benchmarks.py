@@ -241,3 +241,11 @@ def test_fit_line_recovers_a_line():
     assert fit["r2"] == pytest.approx(1.0) and fit_line([1], [1.0]) is None
     assert common.parse_layers("a=4,b=8", ["a", "b", "c"]) == {"a": 4, "b": 8, "c": None}
     assert np.isclose(common.median([3, 1, 2, 10]), 2.5)
+
+
+@pytest.mark.parametrize("name", [s for s in SCRIPTS if hasattr(importlib.import_module(f"benchmarks.{s}"), "parse")])
+def test_default_arguments_parse(name):
+    """The GPU run takes each script's defaults: they must pass the script's own checks (a default
+    of one repeat once made throughput.py refuse to start on the GPU)."""
+    args = importlib.import_module(f"benchmarks.{name}").parse([])
+    assert args.smoke is False

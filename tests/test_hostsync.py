@@ -1,5 +1,6 @@
 """No host synchronisation inside a step: no executable in the bucket table contains a conditional
-or a loop without a static trip count. On the GPU, XLA runs such an op by copying its predicate to
+or a loop without a static trip count. And a float32 model's executables do float32 matmuls as
+IEEE float32 (no TF32 on GPUs: docs/architecture.md, "Numerics"). On the GPU, XLA runs such an op by copying its predicate to
 the host and waiting for every kernel queued before it (docs/architecture.md, "The loop state"), so
 one `lax.cond` in the sampler emptied the pipeline on every decode step.
 
@@ -20,6 +21,7 @@ import jaxspec
 from jaxspec import compile as jc
 
 _OP = re.compile(r"=\s*\S.*?\b(conditional|while)\(")
+_DOT = re.compile(r"\b(dot_general|ragged_dot)\b.*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)")
 
 
 def host_synced_ops(hlo_text: str) -> list[str]:
@@ -31,6 +33,25 @@ def host_synced_ops(hlo_text: str) -> list[str]:
         if match and (match.group(1) == "conditional" or '"known_trip_count"' not in line):
             bad.append(line.strip()[:200])
     return bad
+
+
+def inexact_float32_dots(stablehlo_text: str) -> list[str]:
+    """Lines of lowered StableHLO with a dot of two float32 operands not at HIGHEST precision."""
+    bad = []
+    for line in stablehlo_text.splitlines():
+        match = _DOT.search(line)
+        if match and all(op.endswith("xf32>") for op in match.group(2, 3)) and "HIGHEST" not in line:
+            bad.append(line.strip()[:200])
+    return bad
+
+
+def test_precision_checker_flags_a_default_float32_dot():
+    a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+    default = jax.jit(lambda a, b: a @ b).lower(a, b).as_text()
+    with jax.default_matmul_precision("highest"):
+        exact = jax.jit(lambda a, b: a @ b).lower(a, b).as_text()
+    halves = jax.jit(lambda a, b: a @ b).lower(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)).as_text()
+    assert inexact_float32_dots(default) and not inexact_float32_dots(exact) and not inexact_float32_dots(halves)
 
 
 def test_checker_flags_a_cond_and_a_data_dependent_loop():
@@ -49,16 +70,28 @@ def mtp_target(tmp_path_factory):
                         cache_dir=None, rounds_per_dispatch=2)
 
 
-def test_no_executable_in_the_bucket_table_syncs_with_the_host(mtp_target):
+@pytest.fixture(scope="module")
+def lowered_table(mtp_target):
+    """{bucket: Lowered} for every executable of a float32 bucket table with every drafter."""
     draft = jaxspec.load("demo-draft", dtype="float32", max_model_len=64, max_num_seqs=2, prefill_chunk=16,
                          cache_dir=None)
     table = jc.bucket_table(mtp_target, k_values=(2,), methods=("ngram", "replay", "draft_model", "mtp"),
                             draft_model=draft)
     assert {b.sampling for b in table if b.steps} == {"greedy", "sample"}
     assert {b.steps for b in table if b.steps} == {2}
+    return {f"{b.name} {b.describe()}": jc.lower_bucket(mtp_target, b, draft) for b in table}
+
+
+def test_no_executable_in_the_bucket_table_syncs_with_the_host(lowered_table):
     found = {}
-    for bucket in table:
-        bad = host_synced_ops(jc.lower_bucket(mtp_target, bucket, draft).compile().as_text())
+    for name, lowered in lowered_table.items():
+        bad = host_synced_ops(lowered.compile().as_text())
         if bad:
-            found[f"{bucket.name} {bucket.describe()}"] = bad
+            found[name] = bad
     assert not found, found
+
+
+def test_float32_models_do_float32_matmuls(lowered_table):
+    dots = sum(len(_DOT.findall(lowered.as_text())) for lowered in lowered_table.values())
+    found = {name: bad for name, lowered in lowered_table.items() if (bad := inexact_float32_dots(lowered.as_text()))}
+    assert dots > 0 and not found, found

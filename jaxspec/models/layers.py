@@ -6,6 +6,9 @@ Pure functions over param dicts (layout in docs/architecture.md). Kernels are re
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -13,6 +16,24 @@ from jaxspec import ops
 from jaxspec.config import ModelConfig
 
 F32 = jnp.float32
+
+
+def weight_precision(fn):
+    """Trace `fn(params, ...)` with every matmul at full float32 precision when the weights are float32.
+
+    XLA's default precision for float32 matmuls on NVIDIA GPUs is TF32 (a 10-bit mantissa), and the
+    algorithm it picks depends on the operand shapes, so the same request could round differently in
+    a different batch and a near-tied greedy token could flip (docs/architecture.md, "Numerics").
+    A float32 model is the exactness reference, so its matmuls run as IEEE float32; bfloat16 weights
+    keep XLA's default (the precision flag does not change a bfloat16 matmul's inputs)."""
+
+    @functools.wraps(fn)
+    def traced(params, *args, **kwargs):
+        exact = params["embed"].dtype == F32
+        with jax.default_matmul_precision("highest") if exact else contextlib.nullcontext():
+            return fn(params, *args, **kwargs)
+
+    return traced
 
 
 def rms_norm(x, w, eps: float, zero_centered: bool):

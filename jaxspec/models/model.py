@@ -56,6 +56,7 @@ def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: 
     return x + layers.feed_forward(layer, cfg, h), caches
 
 
+@layers.weight_precision
 def forward(params, cfg: ModelConfig, caches: dict, batch: StepBatch, *, mode: str, kernels: str,
             last_only: bool):
     """Run the trunk over batch.tokens [R, T].

@@ -50,6 +50,7 @@ def kv_shapes(cfg: ModelConfig, total_pages: int, page_size: int, num_layers: in
     return [(kv, kv) for _ in range(num_layers)]
 
 
+@layers.weight_precision
 def mtp_forward(dparams, cfg: ModelConfig, kv: list, hidden, tokens, start_pos, num_valid, block_tables, *,
                 kernels: str):
     """MTP rows at positions q = start_pos + t over a span: hidden [R, T, H] (target or MTP output
