@@ -278,14 +278,15 @@ def _engine_args(model, ecfg):
     return model.params, cache.cache_shapes(model.config, ecfg, model.dtype), _loop_state(ecfg)
 
 
-def lower_prefill(model, ecfg, C: int, with_hidden: bool = False):
-    """The prefill chunk executable of an engine (also a drafter's own prefill)."""
+def lower_prefill(model, ecfg, C: int, with_hidden: bool = False, taps: tuple[int, ...] = ()):
+    """The prefill chunk executable of an engine (also a drafter's own prefill; with taps, the
+    prefill that hands a tap drafter its layers' hidden states)."""
     import jax.numpy as jnp
 
     from jaxspec import ops
     from jaxspec.engine import prefill_executable
 
-    fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden)
+    fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden, tuple(taps))
     one = _shape((1,), jnp.int32)
     return fn.lower(*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)
 

@@ -84,6 +84,11 @@ class Session:
         """None, or req -> Engine.prefill's on_hidden callback (chunk by chunk prompt hidden states)."""
         return None
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the prefill hands to prefill_hook (() = the final hidden)."""
+        return ()
+
     def admit(self, req) -> None:
         """Called after the target prefilled req (req.generated holds its first token)."""
 
@@ -310,11 +315,13 @@ class MtpSession(Session):
 
     @classmethod
     def lower_admission(cls, model, ecfg, bucket, draft_model):
-        drafter = cls.make_drafter(model, ecfg, bucket.k)
+        drafter = cls.make_drafter(model, ecfg, bucket.k, draft_model=draft_model)
         C, i32 = bucket.query_len, jnp.int32
-        hidden = _shape((1, C, model.config.hidden_size), model.dtype)  # the prefill's final hidden states
+        width = model.config.hidden_size * max(len(getattr(drafter, "taps", ())), 1)
+        hidden = _shape((1, C, width), model.dtype)  # the prefill's final hidden states, or its taps
+        dparams, dstate, _ = cls.abstract(model, ecfg, drafter, draft_model)
         return mtp.admit_executable(drafter).lower(
-            mtp.draft_params(model.params), cls._state_shapes(drafter, ecfg, model.dtype), hidden,
+            dparams, dstate, hidden,
             next_tokens=_shape((1, C), i32), start=_shape((1,), i32), n=_shape((1,), i32),
             tables=_shape((1, ecfg.pages_per_seq), i32), slot=_shape((1,), i32))
 
@@ -335,8 +342,8 @@ class MtpSession(Session):
             C = hidden.shape[1]
             tokens = np.zeros((1, C), np.int32)
             tokens[0, :len(next_tokens)] = next_tokens
-            # MTP rows write positions start + 1 .. start + n, its recursive drafts up to k - 1 more
-            target.reserve(req.slot, start + len(next_tokens) + self.drafter.k)
+            # rows write positions start .. start + n - 1, the drafting after them up to lookahead more
+            target.reserve(req.slot, start + len(next_tokens) + self.lookahead)
             host = dict(next_tokens=tokens, start=np.full((1,), start, np.int32),
                         n=np.full((1,), len(next_tokens), np.int32), tables=target.block_tables[req.slot][None],
                         slot=np.full((1,), req.slot, np.int32))
