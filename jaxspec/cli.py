@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from jaxspec.speculative.config import METHODS
+from jaxspec.speculative.config import METHODS, TAP_METHODS
 
 
 def _positive(name: str):
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--speculative", choices=METHODS, default=None, help="speculative decoding method")
     gen.add_argument("--k", type=_positive("k"), default=3, help="draft tokens per round (with --speculative)")
-    gen.add_argument("--draft-model", default=None, help="draft model path or demo name (--speculative draft_model)")
+    gen.add_argument("--draft-model", default=None,
+                     help="draft model path or demo name (--speculative draft_model), or the EAGLE-3 / DFlash "
+                          "checkpoint directory or demo name (--speculative eagle3 / dflash)")
     gen.add_argument("--replay-alpha", type=float, default=0.8,
                      help="replay drafter acceptance control in [0, 1] (--speculative replay)")
     gen.add_argument("--chat", action="store_true",
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative k to compile (repeatable); none = plain decoding only")
     pre.add_argument("--method", choices=METHODS, action="append", default=[],
                      help="drafter to compile for (repeatable; default ngram)")
-    pre.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
+    pre.add_argument("--draft-model", default=None, help="draft model for --method draft_model, eagle3 or dflash")
     info = sub.add_parser("info", help="print a model's config, size, memory plan and bucket table")
     _add_model_flags(info)
     info.add_argument("--k", type=_positive("k"), action="append", default=[], help="speculative k (repeatable)")
@@ -110,6 +112,10 @@ def _speculative(args, model, prompts):
     if args.speculative == "replay":  # reference = the target's own greedy continuation
         ref = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens + args.k + 1).token_ids
         return jaxspec.SpeculativeConfig("replay", args.k, replay_tokens=ref, replay_alpha=args.replay_alpha)
+    if args.speculative in TAP_METHODS:
+        if not args.draft_model:
+            raise ValueError(f"--speculative {args.speculative} needs --draft-model PATH (or demo-{args.speculative})")
+        return jaxspec.SpeculativeConfig(args.speculative, args.k, draft_model=args.draft_model)
     return jaxspec.SpeculativeConfig(args.speculative, args.k)  # ngram, mtp
 
 
@@ -172,10 +178,18 @@ def _cmd_precompile(args) -> int:
     model = _load(args, k_values=args.k)
     methods = tuple(dict.fromkeys(args.method or ["ngram"]))
     draft = None
-    if "draft_model" in methods:
-        if not args.draft_model:
-            raise ValueError("--method draft_model needs --draft-model PATH")
+    needs = [m for m in methods if m == "draft_model" or m in TAP_METHODS]
+    if len(needs) > 1:
+        raise ValueError(f"--method {', '.join(needs)}: each needs its own --draft-model; "
+                         f"precompile them one at a time")
+    if needs and not args.draft_model:
+        raise ValueError(f"--method {needs[0]} needs --draft-model PATH")
+    if "draft_model" in needs:
         draft = _load(args, args.draft_model, args.k)
+    elif needs:  # an eagle3 / dflash head, loaded as SpeculativeConfig loads it
+        from jaxspec.speculative.config import SpeculativeConfig
+
+        draft = SpeculativeConfig(needs[0], 1, draft_model=args.draft_model).draft_model
     table = jc.bucket_table(model, k_values=args.k, methods=methods if args.k else (), draft_model=draft)
     print("bucket table:\n" + jc.print_table(table))
     print("memory plan:\n" + "\n".join(_memory_lines(model, args.k)))

@@ -184,11 +184,19 @@ class Bucket:
                 f"(caches k_max={self.engine_k})")
 
 
+def draft_for(draft_model, method: str | None):
+    """The drafter argument of one method: draft_model itself, or its entry when it is a dict
+    {method: draft} (a table with several methods that each need their own: draft_model, eagle3,
+    dflash). Tap drafters' entries are loaded heads (jaxspec.speculative.<method>.load)."""
+    return draft_model.get(method) if isinstance(draft_model, dict) else draft_model
+
+
 def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sampling=SAMPLING_MODES) -> list[Bucket]:
     """The exact set of executables generate uses for these settings: plain prefill + decode per
     request bucket, and for each speculative k (per_k) or the padded maximum (pad_to_max) one
     verify round per method and request bucket, plus the drafters' admission executables. Rounds
-    come in each of the `sampling` modes ("greedy": every row greedy; "sample": any row sampled)."""
+    come in each of the `sampling` modes ("greedy": every row greedy; "sample": any row sampled).
+    draft_model: see draft_for."""
     buckets = model.engine_config(0).request_buckets
     chunk, steps = model.prefill_chunk, model.rounds_per_dispatch
     k_values = tuple(sorted(set(k_values)))
@@ -222,7 +230,8 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
             for mode in sampling:
                 for r in buckets:
                     extra.append(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method, mode, steps))
-            for fields in SESSIONS[method].admission_buckets(model, k, engine_k(k), chunk, draft_model):
+            for fields in SESSIONS[method].admission_buckets(model, k, engine_k(k), chunk,
+                                                             draft_for(draft_model, method)):
                 fields = {"k": k, "method": method, **fields}
                 if fields["name"] == "admit":
                     fields["name"] = f"admit[{method}]"
@@ -278,14 +287,15 @@ def _engine_args(model, ecfg):
     return model.params, cache.cache_shapes(model.config, ecfg, model.dtype), _loop_state(ecfg)
 
 
-def lower_prefill(model, ecfg, C: int, with_hidden: bool = False):
-    """The prefill chunk executable of an engine (also a drafter's own prefill)."""
+def lower_prefill(model, ecfg, C: int, with_hidden: bool = False, taps: tuple[int, ...] = ()):
+    """The prefill chunk executable of an engine (also a drafter's own prefill; with taps, the
+    prefill that hands a tap drafter its layers' hidden states)."""
     import jax.numpy as jnp
 
     from jaxspec import ops
     from jaxspec.engine import prefill_executable
 
-    fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden)
+    fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden, tuple(taps))
     one = _shape((1,), jnp.int32)
     return fn.lower(*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)
 
@@ -308,6 +318,7 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
 
     k = bucket.k if bucket.method else bucket.query_len - 1  # a plain decode's inert columns
     session = SESSIONS[bucket.method]
+    draft_model = draft_for(draft_model, bucket.method)
     drafter = session.make_drafter(model, ecfg, k, draft_model=draft_model)
     dparams, dstate, aux = session.abstract(model, ecfg, drafter, draft_model)
     fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels),
@@ -333,7 +344,7 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
         return lower_prefill(model, ecfg, bucket.query_len, with_hidden=True)
     if bucket.name == "decode" or bucket.name.startswith("verify["):
         return _lower_round(model, ecfg, bucket, draft_model)
-    return SESSIONS[bucket.method].lower_admission(model, ecfg, bucket, draft_model)
+    return SESSIONS[bucket.method].lower_admission(model, ecfg, bucket, draft_for(draft_model, bucket.method))
 
 
 def _memory(compiled) -> int | None:
@@ -389,5 +400,5 @@ def check_table_memory(model, table: list[Bucket], draft_model=None, budget: int
         ecfg = model.engine_config(k)
         plan = memory_plan(model, ecfg)
         for method, mk in sorted({(b.method, b.k) for b in table if b.method and b.engine_k == k}):
-            plan.update(SESSIONS[method].memory(model, ecfg, mk, draft_model))  # as the run allocates it
+            plan.update(SESSIONS[method].memory(model, ecfg, mk, draft_for(draft_model, method)))  # as the run
         cache.check_budget(plan, budget)

@@ -101,6 +101,20 @@ def trained_demo_dir(name: str) -> Path:
     return verify_trained_dir(TRAINED_ROOT, TRAINED_DEMOS[name])
 
 
+def trained_head_dir(name: str) -> Path:
+    """The verified checkpoint directory of a shipped tap drafter of "demo" ("demo-eagle3",
+    "demo-dflash"); an error naming the drafter when this installation does not ship it."""
+    from jaxspec.speculative.heads import DEMO_HEADS
+
+    sub = DEMO_HEADS[name]
+    listed = any(n.startswith(sub + "/") for n in _read_sums(TRAINED_ROOT))
+    if not listed and not (TRAINED_ROOT / sub).exists():
+        raise DemoModelError(f"draft_model={name!r}: this jaxspec installation does not ship a trained {sub} drafter "
+                             f"for the demo target yet; pass a {sub} checkpoint directory (or a head loaded with "
+                             f"jaxspec.speculative.{sub}.load) instead")
+    return verify_trained_dir(TRAINED_ROOT, sub)
+
+
 def demo_config(family: str) -> ModelConfig:
     if family not in DEMO_HF_CONFIGS:
         raise ValueError(f"unknown demo family {family!r}; valid: {', '.join(sorted(DEMO_HF_CONFIGS))}")

@@ -87,13 +87,15 @@ def make_batch(tokens, start_pos, num_valid, block_tables, seq_slot, num_emitted
 
 
 def prefill_chunk(params, caches, state: LoopState, tokens, start_pos, num_valid, slot, *, cfg: ModelConfig,
-                  ecfg: EngineConfig, kernels: str, with_hidden: bool):
+                  ecfg: EngineConfig, kernels: str, with_hidden: bool, taps: tuple[int, ...] = ()):
     """One prompt chunk of one request: tokens [1, C] at positions start_pos [1] .., num_valid [1]
     real. Samples the token after the chunk's last valid position and records it in the loop state
     as the slot's next round input (last_token, position, num_emitted = 1); the final chunk's
-    values are the ones that stay. Returns (token [1] int32, caches, state[, hidden [1, C, H]])."""
+    values are the ones that stay. Returns (token [1] int32, caches, state[, hidden [1, C, H]]);
+    with taps (static layer ids), hidden is the taps [1, C, len(taps) * H] (model.forward)."""
     batch = make_batch(tokens, start_pos, num_valid, state.block_tables[slot], slot, state.num_emitted, ecfg)
-    logits, hidden, caches = forward(params, cfg, caches, batch, mode="prefill", kernels=kernels, last_only=True)
+    logits, hidden, caches = forward(params, cfg, caches, batch, mode="prefill", kernels=kernels, last_only=True,
+                                     taps=taps)
     sp = jax.tree_util.tree_map(lambda x: x[slot], state.sampling)
     end = start_pos + num_valid  # [1], the position of the sampled token
     token = sampling.sample(logits, sp, end[:, None])[:, 0]  # [1]
@@ -118,11 +120,12 @@ def memory_plan(model, ecfg: EngineConfig) -> dict[str, int]:
 
 
 @functools.cache
-def prefill_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str, with_hidden: bool = False):
+def prefill_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str, with_hidden: bool = False,
+                       taps: tuple[int, ...] = ()):
     """The jitted prefill chunk; shared by every Engine with these settings so re-creating an engine
     never retraces. Caches and loop state are donated."""
-    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, ecfg=ecfg, kernels=kernels, with_hidden=with_hidden),
-                   donate_argnums=(1, 2))
+    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, ecfg=ecfg, kernels=kernels, with_hidden=with_hidden,
+                                     taps=taps), donate_argnums=(1, 2))
 
 
 @functools.cache
@@ -208,18 +211,19 @@ class Engine:
                     seed=np.uint32(seed), request_id=np.int32(request_id))
         self.state = set_slot(self.state, _device_int32((slot,)), jax.device_put(host))
 
-    def prefill(self, slot: int, prompt: list[int], on_hidden=None) -> jax.Array:
+    def prefill(self, slot: int, prompt: list[int], on_hidden=None, taps: tuple[int, ...] = ()) -> jax.Array:
         """Prefill a prompt into the slot in fixed chunks (the slot's sampling settings set first).
         Returns the first sampled token as a device array [1]; the loop state holds it as the
         slot's next input, so the first round can be enqueued without reading it.
 
         on_hidden(start, hidden [1, C, H], next_tokens): called after each chunk with the chunk's
         final hidden states (on device) and the token after each of its positions (the prompt's
-        next token; the first sampled token after the last one), as the MTP drafter consumes them."""
+        next token; the first sampled token after the last one), as the MTP drafter consumes them;
+        with taps, the hidden states are the taps of those layers (EAGLE-3, DFlash)."""
         C = self.ecfg.prefill_chunk
         self.reserve(slot, len(prompt))
         self.sync_tables()
-        run = prefill_executable(self.cfg, self.ecfg, self.kernels, on_hidden is not None)
+        run = prefill_executable(self.cfg, self.ecfg, self.kernels, on_hidden is not None, tuple(taps))
         pos, token = 0, None
         while pos < len(prompt):
             chunk = prompt[pos:pos + C]

@@ -174,7 +174,7 @@ class Loop:
                          request_id=req.index)
         hook = self.session.prefill_hook
         tokens = req.prompt + req.generated
-        first = eng.prefill(req.slot, tokens, hook(req) if hook else None)
+        first = eng.prefill(req.slot, tokens, hook(req) if hook else None, taps=self.session.taps)
         self.stats.prefill_steps += -(-len(tokens) // eng.ecfg.prefill_chunk)
         kept = req.extend([int(np.asarray(first)[0])])
         if not req.finish_reason:

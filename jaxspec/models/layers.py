@@ -170,8 +170,9 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
     q = q.reshape(R, T, nH, D)
     k = linear(x, p["k"], p.get("k_bias")).reshape(R, T, nKV, D)
     v = linear(x, p["v"], p.get("v_bias")).reshape(R, T, nKV, D)
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    if "q_norm" in p:  # QK-norm: every Qwen family; the Llama-style EAGLE-3 draft layer has none
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     positions = batch.start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T]
     q = rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
     k = rope(k, positions, cfg.rope_theta, cfg.rotary_dim)

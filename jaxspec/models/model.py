@@ -58,21 +58,27 @@ def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: 
 
 @layers.weight_precision
 def forward(params, cfg: ModelConfig, caches: dict, batch: StepBatch, *, mode: str, kernels: str,
-            last_only: bool):
+            last_only: bool, taps: tuple[int, ...] = ()):
     """Run the trunk over batch.tokens [R, T].
 
     Returns (logits, hidden, caches): logits [R, T, V] float32 (or [R, 1, V] at each row's last valid
-    token when last_only), hidden [R, T, H] after the final norm at every position (the MTP / tap
-    input; dead code when unused), updated caches.
+    token when last_only), updated caches, and hidden at every position (dead code when unused):
+    without taps, [R, T, H] after the final norm (the MTP input); with taps (static layer ids),
+    [R, T, len(taps) * H], the residual stream after each listed decoder layer, concatenated in
+    the order given (docs/speculation.md#taps).
     mode: "prefill" (chunked GDN, final state kept) or "verify" (GDN snapshot per token).
     """
     caches = {name: list(entries) for name, entries in caches.items()}
     x = params["embed"][batch.tokens]  # [R, T, H]
+    tapped = {}
     for i, layer in enumerate(params["layers"]):
         x, caches = decoder_layer(layer, cfg, i, x, batch, caches, mode=mode, kernels=kernels)
-    hidden = layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    x = hidden
+        if i in taps:
+            tapped[i] = x
+    final = layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    x = final
     if last_only:
         last = jnp.maximum(batch.num_valid - 1, 0)  # [R]
-        x = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [R, 1, H]
+        x = jnp.take_along_axis(final, last[:, None, None], axis=1)  # [R, 1, H]
+    hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else final
     return logits_from_hidden(params, cfg, x), hidden, caches

@@ -97,8 +97,9 @@ def causal_attention(p, cfg: ModelConfig, x, positions):
     q = q.reshape(B, T, nH, D)
     k = layers.linear(x, p["k"], p.get("k_bias")).reshape(B, T, nKV, D)
     v = layers.linear(x, p["v"], p.get("v_bias")).reshape(B, T, nKV, D)
-    q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    if "q_norm" in p:  # as layers.attention: the EAGLE-3 draft layer has no QK-norm
+        q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+        k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     q = layers.rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
     k = layers.rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
     qg = q.reshape(B, T, nKV, nH // nKV, D)  # query head h reads kv head h // (nH // nKV)
@@ -142,14 +143,20 @@ def decoder_layer(layer, cfg: ModelConfig, mixer: str, x, positions):
     return x + layers.feed_forward(layer, cfg, h)
 
 
-def forward_hidden(params, cfg: ModelConfig, tokens):
+def forward_hidden(params, cfg: ModelConfig, tokens, taps: tuple[int, ...] = ()):
     """tokens [B, T] int32 -> hidden [B, T, H] after the final norm (what `model.forward` returns
-    as the MTP input). The parameter dtype is the compute dtype."""
+    as the MTP input), or with taps the residual stream after each listed layer, concatenated
+    [B, T, len(taps) * H] (the EAGLE-3 / DFlash input, as `model.forward(taps=...)`). The
+    parameter dtype is the compute dtype."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = params["embed"][tokens]
-    for i, layer in enumerate(params["layers"]):
+    tapped = {}
+    for i, layer in enumerate(params["layers"][:max(taps) + 1] if taps else params["layers"]):
         x = decoder_layer(layer, cfg, cfg.layer_types[i], x, positions)
+        tapped[i] = x
+    if taps:
+        return jnp.concatenate([tapped[i] for i in taps], axis=-1)
     return layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model", "mtp", "replay")
+METHODS = ("ngram", "draft_model", "mtp", "eagle3", "dflash", "replay")
+TAP_METHODS = {"eagle3": "speculative/eagle3.py", "dflash": "speculative/dflash.py"}  # drafters reading taps
 
 
 @dataclass(frozen=True)
@@ -13,11 +14,16 @@ class SpeculativeConfig:
 
     method: "ngram" (prompt lookup over each request's prompt + generated tokens, on device),
       "draft_model" (a smaller jaxspec Model with the same vocabulary), "mtp" (the target's own
-      multi-token-prediction head, mtp.* weights, as Qwen3.5 / Qwen3-Next ship), or "replay" (a measurement
+      multi-token-prediction head, mtp.* weights, as Qwen3.5 / Qwen3-Next ship), "eagle3" (an EAGLE-3
+      head reading three taps of the target, chain drafting), "dflash" (a DFlash block drafter reading
+      taps of the target, one non-causal forward per round, k <= block_size - 1), or "replay" (a measurement
       tool: proposes `replay_tokens[i]`, the reference continuation of prompt i, with each token
       corrupted with probability 1 - replay_alpha, seeded; alpha = 1 accepts everything a greedy
       target would, alpha = 0 nothing).
     num_speculative_tokens: k, draft tokens per round (>= 1).
+    draft_model: "draft_model": a jaxspec Model; "eagle3" / "dflash": a checkpoint directory in the
+      published layout, a head loaded with jaxspec.speculative.<method>.load, or "demo-<method>"
+      (paths and names are loaded here, once).
     """
 
     method: str
@@ -42,6 +48,13 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_max}: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("method='draft_model' needs draft_model=<a jaxspec Model>, e.g. jaxspec.load(path)")
+        if self.method in TAP_METHODS:
+            import importlib
+
+            from jaxspec.speculative import heads
+
+            module = importlib.import_module(f"jaxspec.speculative.{self.method}")
+            object.__setattr__(self, "draft_model", heads.resolve(self.method, self.draft_model, module.load))
         if self.method == "replay":
             if self.replay_tokens is None:
                 raise ValueError("method='replay' needs replay_tokens: one reference continuation per prompt")

@@ -7,9 +7,10 @@ the round executable, plus host hooks for admitting and releasing requests:
 `rnd` is the RoundInputs of the round; per-slot device state is indexed by `rnd.seq_slot` (0 is the
 null slot that padding rows use); propose's num_emitted [S+1] is the target's per-slot count of
 tokens the previous round emitted; `hidden` is the target's final hidden state at each verified
-position (dead code for drafters that ignore it). The MTP drafter (speculative/mtp.py) drafts in
-commit from those hidden states; tap-conditioned drafters would too. Plain decoding is the round
-of `NoDrafter` (k = 0).
+position (dead code for drafters that ignore it), or, for a drafter with a `taps` attribute, the
+target's hidden states after those layers (docs/speculation.md#taps). The MTP drafter
+(speculative/mtp.py) drafts in commit from the final hidden states, EAGLE-3 and DFlash
+(speculative/eagle3.py, dflash.py) from the taps. Plain decoding is the round of `NoDrafter` (k = 0).
 """
 
 from __future__ import annotations

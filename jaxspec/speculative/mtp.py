@@ -84,18 +84,28 @@ class MtpDrafter:
     max_model_len: int
     kernels: str
 
+    def rows(self, dparams, kv, hidden, tokens, start, n, tables):
+        """The head's rows at positions start .. start + T - 1 (n valid): hidden [R, T, H] (the
+        target's, or the head's own output for a recursive row), tokens [R, T] (the token after each
+        row's position). Returns (the hidden state a recursive row reads [R, T, H], float32 logits
+        [R, T, V], kv). Subclasses (speculative/eagle3.py) replace it."""
+        return mtp_forward(dparams, self.cfg, kv, hidden, tokens, start, n, tables, kernels=self.kernels)
+
+    def token(self, dparams, logits):
+        """Greedy draft token ids [R] (target vocabulary) from the head's logits [R, V]."""
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
     def _chain(self, dparams, kv, hidden, logits, pos, live, tables):
-        """From the MTP output (hidden [R, H], logits [R, V]) of the row at position pos - 1: k
-        drafts [R, k] (for token positions pos + 1 ..), by k - 1 recursive MTP rows at pos .."""
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
+        """From the head output (hidden [R, H], logits [R, V]) of the row at position pos - 1: k
+        drafts [R, k] (for token positions pos + 1 ..), by k - 1 recursive rows at pos .."""
+        first = self.token(dparams, logits)  # [R]
 
         def step(carry, i):
             kv, token, h = carry
             p = pos + i - 1  # the row of `token`, the previous draft (its token position is p + 1)
             valid = (live & (p < self.max_model_len)).astype(jnp.int32)
-            h, lg, kv = mtp_forward(dparams, self.cfg, kv, h[:, None], token[:, None], p, valid, tables,
-                                    kernels=self.kernels)
-            nxt = jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+            h, lg, kv = self.rows(dparams, kv, h[:, None], token[:, None], p, valid, tables)
+            nxt = self.token(dparams, lg[:, 0])
             return (kv, nxt, h[:, 0]), nxt
 
         if self.k == 1:
@@ -106,7 +116,7 @@ class MtpDrafter:
     def _rows_then_chain(self, dparams, kv, hidden, tokens, start, n, live, tables):
         """MTP rows at positions start .. start + T - 1 (n valid), then the drafts after row n - 1."""
         n = jnp.where(live, jnp.clip(jnp.minimum(n, self.max_model_len - start), 0), 0)
-        out, logits, kv = mtp_forward(dparams, self.cfg, kv, hidden, tokens, start, n, tables, kernels=self.kernels)
+        out, logits, kv = self.rows(dparams, kv, hidden, tokens, start, n, tables)
         last = jnp.maximum(n - 1, 0)[:, None]  # [R, 1]
         h = jnp.take_along_axis(out, last[:, :, None], axis=1)[:, 0]  # [R, H]
         lg = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]  # [R, V]
@@ -134,7 +144,7 @@ class MtpDrafter:
 
 
 @functools.cache
-def admit_executable(drafter: MtpDrafter):
+def admit_executable(drafter):
     """The jitted admission chunk for one drafter; the drafter state is donated."""
     return jax.jit(drafter.admit_chunk, donate_argnums=(1,))
 

@@ -57,8 +57,9 @@ def one_round(params, caches, state: LoopState, dparams, dstate, rows, num_draft
     tokens = jnp.concatenate([rnd.last_token[:, None], drafts], axis=1)  # [R, 1+k]
     batch = make_batch(tokens, rnd.start_pos, jnp.where(live, 1 + rnd.num_drafts, 0).astype(jnp.int32),
                        rnd.block_tables, rnd.seq_slot, state.num_emitted, ecfg)
+    # hidden: the final hidden [R, 1+k, H], or the taps [R, 1+k, n*H] of a drafter that reads them
     logits, hidden, caches = forward(params, cfg, caches, batch, mode="verify", kernels=kernels,
-                                     last_only=False)  # [R, 1+k, V], [R, 1+k, H]
+                                     last_only=False, taps=getattr(drafter, "taps", ()))  # [R, 1+k, V]
     positions = rnd.start_pos[:, None] + 1 + jnp.arange(1 + k, dtype=jnp.int32)[None, :]
     sp = jax.tree_util.tree_map(lambda x: x[rnd.seq_slot], state.sampling)
     emitted, num_emitted = rejection_sample(logits, drafts, draft_probs, sp, positions, rnd.num_drafts,

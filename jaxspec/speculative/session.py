@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import EngineConfig
-from jaxspec.speculative import mtp
+from jaxspec.speculative import dflash, eagle3, mtp
 from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter, set_slot
 
 
@@ -83,6 +83,11 @@ class Session:
     def prefill_hook(self):
         """None, or req -> Engine.prefill's on_hidden callback (chunk by chunk prompt hidden states)."""
         return None
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the prefill hands to prefill_hook (() = the final hidden)."""
+        return ()
 
     def admit(self, req) -> None:
         """Called after the target prefilled req (req.generated holds its first token)."""
@@ -310,11 +315,13 @@ class MtpSession(Session):
 
     @classmethod
     def lower_admission(cls, model, ecfg, bucket, draft_model):
-        drafter = cls.make_drafter(model, ecfg, bucket.k)
+        drafter = cls.make_drafter(model, ecfg, bucket.k, draft_model=draft_model)
         C, i32 = bucket.query_len, jnp.int32
-        hidden = _shape((1, C, model.config.hidden_size), model.dtype)  # the prefill's final hidden states
+        width = model.config.hidden_size * max(len(getattr(drafter, "taps", ())), 1)
+        hidden = _shape((1, C, width), model.dtype)  # the prefill's final hidden states, or its taps
+        dparams, dstate, _ = cls.abstract(model, ecfg, drafter, draft_model)
         return mtp.admit_executable(drafter).lower(
-            mtp.draft_params(model.params), cls._state_shapes(drafter, ecfg, model.dtype), hidden,
+            dparams, dstate, hidden,
             next_tokens=_shape((1, C), i32), start=_shape((1,), i32), n=_shape((1,), i32),
             tables=_shape((1, ecfg.pages_per_seq), i32), slot=_shape((1,), i32))
 
@@ -335,8 +342,8 @@ class MtpSession(Session):
             C = hidden.shape[1]
             tokens = np.zeros((1, C), np.int32)
             tokens[0, :len(next_tokens)] = next_tokens
-            # MTP rows write positions start + 1 .. start + n, its recursive drafts up to k - 1 more
-            target.reserve(req.slot, start + len(next_tokens) + self.drafter.k)
+            # rows write positions start .. start + n - 1, the drafting after them up to lookahead more
+            target.reserve(req.slot, start + len(next_tokens) + self.lookahead)
             host = dict(next_tokens=tokens, start=np.full((1,), start, np.int32),
                         n=np.full((1,), len(next_tokens), np.int32), tables=target.block_tables[req.slot][None],
                         slot=np.full((1,), req.slot, np.int32))
@@ -344,8 +351,114 @@ class MtpSession(Session):
         return on_hidden
 
 
+class _TapSession(MtpSession):
+    """A drafter that reads taps of the target (EAGLE-3, DFlash): MTP's schedule (prompt rows at
+    admission from the prefill, drafting in commit) with its own head, given by draft_model (a
+    heads.Head: SpeculativeConfig resolves paths and demo names), and its own paged KV pools on the
+    target's page ids. The prefill that hands the taps over is prefill_taps."""
+
+    module = None  # speculative/eagle3.py or speculative/dflash.py
+
+    @classmethod
+    def check(cls, spec, model, num_prompts):
+        cls.module.check_target(spec.draft_model, model.config)
+
+    @classmethod
+    def memory(cls, model, ecfg, k, draft_model):
+        drafter = cls.make_drafter(model, ecfg, k, draft_model=draft_model)
+        name = draft_model.method
+        return {f"{name}_weights": draft_model.nbytes(model.dtype),
+                f"{name}_kv": mtp.state_bytes(drafter, ecfg, model.dtype)}
+
+    @classmethod
+    def create(cls, model, engine, drafter, spec):
+        from jaxspec import cache
+
+        plan = {**engine.memory_plan, **cls.memory(model, engine.ecfg, drafter.k, spec.draft_model)}
+        cache.check_budget(plan, cache.budget_of(model))  # refuse before allocating the head and its pools
+        return cls(drafter, dparams=cls.module.draft_params(spec.draft_model, model.params, model.dtype),
+                   dstate=mtp.init_state(drafter, engine.ecfg, model.dtype), extra={"target_engine": engine})
+
+    @classmethod
+    def abstract(cls, model, ecfg, drafter, draft_model):
+        dparams = cls.module.draft_params(draft_model, model.params, model.dtype, abstract=True)
+        return dparams, cls._state_shapes(drafter, ecfg, model.dtype), None
+
+    @classmethod
+    def admission_buckets(cls, model, k, engine_k, chunk, draft_model):
+        # k = 0: one prefill executable serves every k (it depends on the taps only)
+        return [dict(name="prefill_taps", num_reqs=1, query_len=chunk, engine_k=engine_k, k=0),
+                dict(name="admit", num_reqs=1, query_len=chunk, engine_k=engine_k)]
+
+    @classmethod
+    def lower_admission(cls, model, ecfg, bucket, draft_model):
+        from jaxspec.compile import lower_prefill
+
+        if bucket.name == "prefill_taps":
+            taps = cls.make_drafter(model, ecfg, 1, draft_model=draft_model).taps
+            return lower_prefill(model, ecfg, bucket.query_len, with_hidden=True, taps=taps)
+        return super().lower_admission(model, ecfg, bucket, draft_model)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.drafter.taps
+
+
+class Eagle3Session(_TapSession):
+    """EAGLE-3 (speculative/eagle3.py): chain drafting from three taps, one draft layer."""
+
+    module = eagle3
+
+    @classmethod
+    def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
+        from jaxspec import ops
+
+        head = draft_model.config
+        return eagle3.Eagle3Drafter(k=k, cfg=head.layer, num_layers=1, max_model_len=ecfg.max_model_len,
+                                    kernels=ops.resolve_kernels(model.kernels), head=head,
+                                    taps=head.taps(model.config))
+
+
+class DFlashSession(_TapSession):
+    """DFlash (speculative/dflash.py): one non-causal block forward per round from the taps."""
+
+    module = dflash
+
+    @classmethod
+    def check(cls, spec, model, num_prompts):
+        super().check(spec, model, num_prompts)
+        limit = spec.draft_model.config.block_size - 1
+        if spec.k > limit:
+            raise ValueError(f"num_speculative_tokens={spec.k} exceeds this DFlash drafter's block_size - 1 = "
+                             f"{limit} (dflash_config.block_size={limit + 1}); use k <= {limit}")
+        if model.k_mode == "pad_to_max" and model.max_num_speculative_tokens > limit:
+            raise ValueError(f"k_mode='pad_to_max' drafts max_num_speculative_tokens="
+                             f"{model.max_num_speculative_tokens} tokens per round, more than this DFlash "
+                             f"drafter's block_size - 1 = {limit}; load with max_num_speculative_tokens <= {limit}")
+
+    @classmethod
+    def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
+        from jaxspec import ops
+
+        head = draft_model.config
+        return dflash.DFlashDrafter(k=k, cfg=head.layer, num_layers=head.layer.num_hidden_layers,
+                                    max_model_len=ecfg.max_model_len, kernels=ops.resolve_kernels(model.kernels),
+                                    head=head, tied=model.config.tie_word_embeddings)
+
+    @property
+    def lookahead(self) -> int:
+        return self.drafter.k + 1  # the block after the verified tokens reaches k + 1 past the verify span
+
+    def reserve(self, req, num_tokens: int) -> None:
+        """The loop caps a request's pages at its last position, but a block that drafts for a
+        position before it is non-causal: its rows past that position must have pages too, or they
+        would meet other rows' K/V in the shared null page."""
+        self.extra["target_engine"].reserve(req.slot, num_tokens + self.lookahead)
+
+
 SESSIONS: dict[str | None, type[Session]] = {None: Session, "ngram": NgramSession, "replay": ReplaySession,
-                                             "draft_model": DraftModelSession, "mtp": MtpSession}
+                                             "draft_model": DraftModelSession, "mtp": MtpSession,
+                                             "eagle3": Eagle3Session, "dflash": DFlashSession}
 
 
 def make_drafter(method: str | None, model, ecfg: EngineConfig, k: int, *, prompt_lookup=(1, 4), draft_model=None):

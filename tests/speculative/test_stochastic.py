@@ -16,6 +16,7 @@ from jaxspec import loop
 from jaxspec.speculative import round as round_module
 from jaxspec.speculative import verify
 from tests.speculative.conftest import NEW_TOKENS, load
+from tests.speculative.tap_checkpoints import write_dflash, write_eagle3
 from tests.test_sampling import warp_reference
 
 VOCAB = 12
@@ -88,10 +89,17 @@ def _always_accept(target_logits, draft_tokens, draft_probs, params, positions, 
     return jnp.concatenate([draft_tokens, bonus[:, None]], axis=1), num_drafts + 1
 
 
-def test_first_round_token_follows_target_distribution(tiny, monkeypatch):
+@pytest.fixture(scope="module")
+def plain_pairs(tiny):
+    """(plain samples [N, 2], the exact distribution of the second token given each first token)."""
     plain = _first_two(tiny)
     exact = {int(t): np.asarray(jax.nn.softmax(jaxspec.score(tiny, PROMPT + [int(t)])[-1]), np.float64)
              for t in np.unique(plain[:, 0])}
+    return plain, exact
+
+
+def test_first_round_token_follows_target_distribution(tiny, plain_pairs, monkeypatch):
+    plain, exact = plain_pairs
     assert _conditional_pvalue(plain, exact) > ALPHA  # the oracle: plain sampling follows `exact`
 
     ngram = jaxspec.SpeculativeConfig("ngram", K)
@@ -141,3 +149,20 @@ def test_warped_first_round_token_follows_the_oracle(tiny, case):
     assert not counts[first == 0].any()
     assert stats.chisquare(counts[first > 0], first[first > 0] * n).pvalue > ALPHA
     assert _conditional_pvalue(pairs, exact, min_dof=8) > ALPHA  # the speculative round's token
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_tap_drafters_first_round_token_follows_target_distribution(tiny, plain_pairs, method, tmp_path):
+    """EAGLE-3 and DFlash (random heads in their published layouts) draft from the target's taps;
+    their first speculative round's token follows the target's distribution."""
+    plain, exact = plain_pairs
+    H = tiny.config.hidden_size
+    head = write_eagle3(tmp_path, hidden=H, vocab=VOCAB, draft_vocab=VOCAB - 2, layer_ids=(0, 1, 1)) \
+        if method == "eagle3" else write_dflash(tmp_path, hidden=H, vocab=VOCAB, target_layer_ids=(0, 1),
+                                                mask_token_id=VOCAB - 1, block_size=K + 1)
+    result = jaxspec.generate(tiny, [PROMPT] * N, max_new_tokens=2, temperature=1.0, seed=list(range(N)),
+                              speculative=jaxspec.SpeculativeConfig(method, K, draft_model=head))
+    pairs = np.asarray(result.token_ids)
+    assert np.array_equal(pairs[:, 0], plain[:, 0])  # the prefill token (through the taps prefill) is a plain draw
+    assert 50 < result.stats.accepted_by_position[0] < N - 50, result.stats.summary()  # both paths taken
+    assert _conditional_pvalue(pairs, exact) > ALPHA
