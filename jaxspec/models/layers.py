@@ -19,7 +19,9 @@ F32 = jnp.float32
 
 
 def weight_precision(fn):
-    """Trace `fn(params, ...)` with every matmul at full float32 precision when the weights are float32.
+    """Trace `fn` with every matmul at full float32 precision when the weights are float32: the
+    weights are the first dict argument holding "embed" (a model's params or a drafter's dparams;
+    functions and methods alike).
 
     XLA's default precision for float32 matmuls on NVIDIA GPUs is TF32 (a 10-bit mantissa), and the
     algorithm it picks depends on the operand shapes, so the same request could round differently in
@@ -28,10 +30,11 @@ def weight_precision(fn):
     keep XLA's default (the precision flag does not change a bfloat16 matmul's inputs)."""
 
     @functools.wraps(fn)
-    def traced(params, *args, **kwargs):
+    def traced(*args, **kwargs):
+        params = next(a for a in args if isinstance(a, dict) and "embed" in a)
         exact = params["embed"].dtype == F32
         with jax.default_matmul_precision("highest") if exact else contextlib.nullcontext():
-            return fn(params, *args, **kwargs)
+            return fn(*args, **kwargs)
 
     return traced
 

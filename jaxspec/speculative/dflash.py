@@ -182,6 +182,7 @@ class DFlashDrafter:
     def taps(self) -> tuple[int, ...]:
         return self.head.taps
 
+    @layers.weight_precision
     def _write_context(self, dparams, kv, taps, start, n, tables):
         """Context K/V of rows at positions start .. start + T - 1 (n valid) from taps [R, T, n H]."""
         T = taps.shape[1]
@@ -195,6 +196,7 @@ class DFlashDrafter:
         logits, kv = self.block_logits(dparams, kv, token, p, live, tables)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
 
+    @layers.weight_precision
     def block_logits(self, dparams, kv, token, p, live, tables):
         """float32 logits [R, k, V] of the block's rows 1 .. k (token [R] at position p [R]) and the kv."""
         R, T = token.shape[0], self.k + 1

@@ -178,6 +178,7 @@ class Eagle3Drafter(MtpDrafter):
     head: Eagle3Config | None = None
     taps: tuple[int, ...] = ()
 
+    @layers.weight_precision
     def rows(self, dparams, kv, hidden, tokens, start, n, tables):
         """hidden [R, T, 3H] taps (fused by fc) or [R, T, H] a recursive row's input."""
         hp, cfg = dparams["head"], self.head

@@ -27,6 +27,7 @@ from jaxspec.demo import DemoModelError
 from jaxspec.engine import memory_plan
 from jaxspec.models import train
 from jaxspec.speculative import dflash, eagle3
+from tests.test_hostsync import inexact_float32_dots
 from tests.speculative.conftest import CHUNK, PAGE, load
 from tests.speculative.tap_checkpoints import write_dflash, write_eagle3
 
@@ -188,6 +189,8 @@ def test_bucket_table_and_generate_after_precompile_compiles_nothing(taps_setup)
     assert names.count("prefill_taps") == 2  # one per method: their taps differ
     assert "prefill" in names  # plain decoding still prefills through the plain executable
     jc.check_table_memory(model, table, heads)
+    inexact = {b.name: bad for b in table if (bad := inexact_float32_dots(jc.lower_bucket(model, b, heads).as_text()))}
+    assert not inexact, inexact  # the heads' matmuls are float32 too (docs/architecture.md, "Numerics")
     jc.precompile(model, table, draft_model=heads, progress=False)
     with jc.count_compiles() as count:
         for method in METHODS:
