@@ -1,12 +1,14 @@
 """No host synchronisation inside a step: no executable in the bucket table contains a conditional
-or a loop without a static trip count. And a float32 model's executables do float32 matmuls as
-IEEE float32 (no TF32 on GPUs: docs/architecture.md, "Numerics"). On the GPU, XLA runs such an op by copying its predicate to
+or a loop without a static trip count. On the GPU, XLA runs such an op by copying its predicate to
 the host and waiting for every kernel queued before it (docs/architecture.md, "The loop state"), so
 one `lax.cond` in the sampler emptied the pipeline on every decode step.
 
 The check reads the optimised HLO of each compiled executable: `conditional` ops are refused, and
 every `while` must carry XLA's known trip count (what a scan or a fori_loop with Python bounds
 gives). The checker is itself checked on a cond and a data-dependent while_loop.
+
+The same table, lowered, shows that a float32 model does its matmuls as IEEE float32 (HIGHEST
+precision; XLA's default on GPUs is TF32: docs/architecture.md, "Numerics").
 """
 
 from __future__ import annotations

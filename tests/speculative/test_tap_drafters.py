@@ -27,9 +27,9 @@ from jaxspec.demo import DemoModelError
 from jaxspec.engine import memory_plan
 from jaxspec.models import train
 from jaxspec.speculative import dflash, eagle3
-from tests.test_hostsync import inexact_float32_dots
 from tests.speculative.conftest import CHUNK, PAGE, load
 from tests.speculative.tap_checkpoints import write_dflash, write_eagle3
+from tests.test_hostsync import inexact_float32_dots
 
 VOCAB, K, K_MAX, NEW = 4, 3, 7, 20
 MAX_LEN = 48
