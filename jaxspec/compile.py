@@ -271,6 +271,14 @@ def _loop_state(ecfg):
     return jax.eval_shape(lambda: jax.tree_util.tree_map(jnp.asarray, init_loop_state(ecfg)))
 
 
+def _placed(model, args):
+    """Abstract arguments with the shardings the run gives them (jaxspec.sharding.abstract): the
+    executable compiled ahead of time is then the one the run looks up."""
+    from jaxspec import sharding
+
+    return sharding.abstract(args, model.config.mesh)
+
+
 def _engine_args(model, ecfg):
     """(params, cache shapes, loop state shapes) exactly as an Engine passes them."""
     from jaxspec import cache
@@ -287,7 +295,7 @@ def lower_prefill(model, ecfg, C: int, with_hidden: bool = False):
 
     fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden)
     one = _shape((1,), jnp.int32)
-    return fn.lower(*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)
+    return fn.lower(*_placed(model, (*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)))
 
 
 def _lower_set_sampling(model, ecfg):
@@ -297,7 +305,7 @@ def _lower_set_sampling(model, ecfg):
 
     settings = dict(temperature=_shape((), jnp.float32), top_k=_shape((), jnp.int32), top_p=_shape((), jnp.float32),
                     seed=_shape((), jnp.uint32), request_id=_shape((), jnp.int32))
-    return set_slot.lower(_loop_state(ecfg), _shape((1,), jnp.int32), settings)
+    return set_slot.lower(*_placed(model, (_loop_state(ecfg), _shape((1,), jnp.int32), settings)))
 
 
 def _lower_round(model, ecfg, bucket: Bucket, draft_model):
@@ -313,7 +321,8 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
     fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels),
                           bucket.sampling == "greedy", bucket.steps)
     i32 = jnp.int32
-    return fn.lower(*_engine_args(model, ecfg), dparams, dstate, _shape((bucket.num_reqs,), i32), _shape((), i32), aux)
+    return fn.lower(*_placed(model, (*_engine_args(model, ecfg), dparams, dstate, _shape((bucket.num_reqs,), i32),
+                                     _shape((), i32), aux)))
 
 
 def lower_bucket(model, bucket: Bucket, draft_model=None):
