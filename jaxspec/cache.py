@@ -83,8 +83,8 @@ def plan_pool(model, ecfg: EngineConfig, budget: int | None) -> int:
 
 
 def device_memory_bytes() -> int | None:
-    """Bytes the default device can hold, where the backend reports it (GPUs do; CPU does not)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Bytes one of this process's devices can hold, where the backend reports it (GPUs do; CPU does not)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 
