@@ -139,15 +139,27 @@ ENGINE = dict(max_num_seqs=8, max_model_len=1024, page_size=16, prefill_chunk=64
 SMOKE_ENGINE = dict(max_num_seqs=2, max_model_len=128, page_size=16, prefill_chunk=16, max_num_speculative_tokens=3)
 
 
-def build_model(hf: dict, *, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0, engine: dict = ENGINE):
-    """A jaxspec Model with seeded random weights built on the default device (demo.init_params)."""
+def build_model(hf: dict, *, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0, engine: dict = ENGINE,
+                tensor_parallel_size: int = 1):
+    """A jaxspec Model with seeded random weights (demo.init_params) on the default device, or
+    generated straight into their shards over tensor_parallel_size devices (a model too large for
+    one device never exists whole)."""
+    import functools
+
     import jax
 
-    from jaxspec import demo
+    from jaxspec import demo, sharding
     from jaxspec.loader import DTYPES, Model
 
     cfg = model_config(hf)
-    params = jax.block_until_ready(demo.init_params(cfg, seed=seed, dtype=DTYPES[dtype]))
+    if tensor_parallel_size > 1:
+        sharding.check(cfg, tensor_parallel_size)
+        cfg = cfg.replace(mesh=sharding.make_mesh(tensor_parallel_size))
+        init = functools.partial(demo.init_params, cfg, seed=seed, dtype=DTYPES[dtype])
+        params = jax.jit(init, out_shardings=sharding.param_shardings(cfg, jax.eval_shape(init)))()
+    else:
+        params = demo.init_params(cfg, seed=seed, dtype=DTYPES[dtype])
+    params = jax.block_until_ready(params)
     return Model(config=cfg, params=params, tokenizer=None, dtype=DTYPES[dtype], kernels=kernels,
                  hf_config=hf, **engine)
 

@@ -111,8 +111,9 @@ def loop_state(eng, R: int, context: int, seed: int = 0):
     """The engine's loop state with rows 1..R at `context` cached tokens, each owning a contiguous
     run of pages, random last tokens, greedy sampling (a host build + one transfer)."""
     from jaxspec.engine import LoopState
+    from jaxspec.sharding import put
 
-    ecfg, rng = eng.ecfg, np.random.default_rng(seed)
+    ecfg, rng, mesh = eng.ecfg, np.random.default_rng(seed), eng.mesh
     n = ecfg.max_num_seqs + 1
     tables = np.zeros((n, ecfg.pages_per_seq), np.int32)
     tables[1:R + 1] = _tables(ecfg, R)
@@ -121,8 +122,8 @@ def loop_state(eng, R: int, context: int, seed: int = 0):
     position = np.zeros((n,), np.int32)
     position[1:R + 1] = context
     s = eng.state
-    return LoopState(last_token=jax.device_put(last), position=jax.device_put(position),
-                     num_emitted=jax.device_put(np.ones((n,), np.int32)), block_tables=jax.device_put(tables),
+    return LoopState(last_token=put(last, mesh), position=put(position, mesh),
+                     num_emitted=put(np.ones((n,), np.int32), mesh), block_tables=put(tables, mesh),
                      sampling=s.sampling)
 
 
@@ -131,12 +132,13 @@ def _batch_inputs(model, eng, R: int, ks: list[int], context: int, steps: int = 
     rows in slots 1..R at `context` cached tokens, greedy; decode is the round of the NoDrafter,
     verify the replay drafter's round (random references, alpha 0.5). The loop state advances by
     the emitted tokens on every call, as in serving (a few hundred positions over a timing run)."""
+    from jaxspec.sharding import put
     from jaxspec.speculative.round import round_executable
     from jaxspec.speculative.session import make_drafter
 
-    cfg, ecfg, rng = model.config, eng.ecfg, np.random.default_rng(R)
+    cfg, ecfg, rng, mesh = model.config, eng.ecfg, np.random.default_rng(R), model.config.mesh
     vocab = min(cfg.vocab_size, 32000)
-    rows = jax.device_put(np.arange(1, R + 1, dtype=np.int32))
+    rows = put(np.arange(1, R + 1, dtype=np.int32), mesh)
     makers, inputs = {}, {}
     for k in [0] + list(ks):
         # decode: the engine's plain step, with its inert columns (Model.decode_pad) on a GPU
@@ -144,12 +146,12 @@ def _batch_inputs(model, eng, R: int, ks: list[int], context: int, steps: int = 
         dparams = dstate = None
         if k:
             S = ecfg.max_num_seqs + 1
-            dstate = jax.device_put({"ref": rng.integers(0, vocab, (S, drafter.ref_len)).astype(np.int32),
-                                     "length": np.full((S,), drafter.ref_len, np.int32),
-                                     "generated": np.zeros((S,), np.int32)})
-            dparams = jax.device_put({"alpha": np.float32(0.5), "seed": np.uint32(0)})
+            dstate = put({"ref": rng.integers(0, vocab, (S, drafter.ref_len)).astype(np.int32),
+                          "length": np.full((S,), drafter.ref_len, np.int32),
+                          "generated": np.zeros((S,), np.int32)}, mesh)
+            dparams = put({"alpha": np.float32(0.5), "seed": np.uint32(0)}, mesh)
         fn = round_executable(cfg, ecfg, drafter, eng.kernels, True, steps)
-        num_drafts = jax.device_put(np.int32(k))
+        num_drafts = put(np.int32(k), mesh)
         key = ("verify", k) if k else ("decode", 0)
         makers[key] = functools.partial(fn.lower, model.params, eng.caches, eng.state, dparams, dstate, rows,
                                         num_drafts, None)

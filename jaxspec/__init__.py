@@ -3,10 +3,11 @@
 from jaxspec.config import EngineConfig, ModelConfig
 from jaxspec.generate import GenerateResult, GenerateStats, generate, score
 from jaxspec.loader import Model, load, save
+from jaxspec.sharding import initialize_distributed
 from jaxspec.speculative.config import SpeculativeConfig
 
 __all__ = [
     "EngineConfig", "GenerateResult", "GenerateStats", "Model", "ModelConfig", "SpeculativeConfig",
-    "generate", "load", "save", "score",
+    "generate", "initialize_distributed", "load", "save", "score",
 ]
 __version__ = "0.1.0"

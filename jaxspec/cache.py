@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxspec import sharding
 from jaxspec.config import EngineConfig, ModelConfig
 
 
@@ -18,16 +18,21 @@ class MemoryBudgetError(ValueError):
 
 
 def cache_shapes(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:
-    """ShapeDtypeStructs with the exact structure of the caches pytree."""
-    kv = jax.ShapeDtypeStruct((ecfg.total_pages, ecfg.page_size, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    """ShapeDtypeStructs with the exact structure of the caches pytree, each with its sharding
+    over cfg.mesh (KV pages by kv head, GDN state and conv lines by GDN head; none without a mesh)."""
+    def shape(dims, dt, axes):
+        return jax.ShapeDtypeStruct(dims, dt, sharding=sharding.named(cfg, axes))
+
+    kv = shape((ecfg.total_pages, ecfg.page_size, sharding.kv_cache_heads(cfg), cfg.head_dim), dtype,
+               sharding.KV_AXES)
     slots = 1 + ecfg.max_num_seqs * ecfg.state_slots_per_seq
-    ssm = jax.ShapeDtypeStruct((slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                cfg.linear_value_head_dim), jnp.float32)
+    ssm = shape((slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                jnp.float32, sharding.SSM_AXES)
     if ecfg.conv_per_state_slot:  # a window per state slot, advanced one token per step
-        conv = jax.ShapeDtypeStruct((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), dtype)
+        conv = shape((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), dtype, sharding.CONV_AXES)
     else:  # one sliding line per request, read at offset num_emitted - 1
         line = (cfg.linear_conv_kernel_dim - 1) + ecfg.max_num_speculative_tokens
-        conv = jax.ShapeDtypeStruct((1 + ecfg.max_num_seqs, line, cfg.gdn_conv_dim), dtype)
+        conv = shape((1 + ecfg.max_num_seqs, line, cfg.gdn_conv_dim), dtype, sharding.CONV_AXES)
     return {
         "kv": [(kv, kv) for _ in cfg.attention_layers],
         "ssm": [ssm for _ in cfg.gdn_layers],
@@ -35,32 +40,30 @@ def cache_shapes(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:
     }
 
 
-def _nbytes(s) -> int:
-    return int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-
-
 def cache_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict[str, int]:
-    """Bytes of each cache component, exactly as allocated."""
+    """Bytes of each cache component on one device, exactly as allocated."""
     shapes = cache_shapes(cfg, ecfg, dtype)
     return {
-        "kv_pages": sum(_nbytes(k) + _nbytes(v) for k, v in shapes["kv"]),
-        "gdn_state": sum(_nbytes(s) for s in shapes["ssm"]),
-        "conv_windows": sum(_nbytes(s) for s in shapes["conv"]),
+        "kv_pages": sum(sharding.shard_bytes(k) + sharding.shard_bytes(v) for k, v in shapes["kv"]),
+        "gdn_state": sum(sharding.shard_bytes(s) for s in shapes["ssm"]),
+        "conv_windows": sum(sharding.shard_bytes(s) for s in shapes["conv"]),
     }
 
 
 def params_bytes(params) -> int:
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    """Bytes of the params on one device (each leaf's shard)."""
+    return sum(sharding.shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
 
 
 POOL_HEADROOM = 0.08  # of the budget, kept free for activations and executables when sizing the KV pool
 
 
 def page_bytes(cfg: ModelConfig, ecfg: EngineConfig, dtype, extra_layers: int = 0) -> int:
-    """Bytes one KV page costs across every attention layer (K and V), plus `extra_layers` layers
-    that share the target's page ids (the MTP head's)."""
+    """Bytes one KV page costs on one device across every attention layer (K and V), plus
+    `extra_layers` layers that share the target's page ids (the MTP head's)."""
     layers = len(cfg.attention_layers) + extra_layers
-    return 2 * layers * ecfg.page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    heads = sharding.kv_cache_heads(cfg) // sharding.tp_size(cfg)
+    return 2 * layers * ecfg.page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 def plan_pool(model, ecfg: EngineConfig, budget: int | None) -> int:
@@ -80,8 +83,8 @@ def plan_pool(model, ecfg: EngineConfig, budget: int | None) -> int:
 
 
 def device_memory_bytes() -> int | None:
-    """Bytes the default device can hold, where the backend reports it (GPUs do; CPU does not)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Bytes one of this process's devices can hold, where the backend reports it (GPUs do; CPU does not)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 
@@ -112,7 +115,8 @@ def allocate_executable(cfg: ModelConfig, ecfg: EngineConfig, dtype):
     """One jitted function producing every cache buffer (so allocation is a single executable that
     precompile can cache, not one eager op per shape)."""
     shapes = cache_shapes(cfg, ecfg, dtype)
-    return jax.jit(lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    placed = {} if cfg.mesh is None else {"out_shardings": jax.tree_util.tree_map(lambda s: s.sharding, shapes)}
+    return jax.jit(lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), **placed)
 
 
 def allocate(cfg: ModelConfig, ecfg: EngineConfig, dtype) -> dict:

@@ -45,6 +45,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default="default",
                    help="persistent compilation cache (default: $JAXSPEC_CACHE_DIR or the user cache dir)")
     p.add_argument("--no-cache", action="store_true", help="disable the persistent compilation cache")
+    p.add_argument("--tensor-parallel-size", type=_positive("tensor-parallel-size"), default=1,
+                   help="devices the model is sharded over (heads, MLP / expert intermediate, vocabulary)")
+    p.add_argument("--coordinator-address", default=None,
+                   help="several processes (hosts): host:port of process 0, for jax.distributed.initialize")
+    p.add_argument("--num-processes", type=_positive("num-processes"), default=1,
+                   help="with --coordinator-address: processes in the run")
+    p.add_argument("--process-id", type=int, default=0, help="with --coordinator-address: this process's index")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +103,7 @@ def _load(args, path=None, k_values=()):
                         max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
                         max_num_speculative_tokens=max_k, k_mode=args.k_mode,
                         rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ahead=args.dispatch_ahead,
-                        num_kv_pages=args.num_kv_pages,
+                        num_kv_pages=args.num_kv_pages, tensor_parallel_size=args.tensor_parallel_size,
                         cache_dir=None if args.no_cache else args.cache_dir)
 
 
@@ -166,7 +173,7 @@ def _memory_lines(model, k_values) -> list[str]:
         ecfg = model.engine_config(k)
         plan = memory_plan(model, ecfg)
         parts = ", ".join(f"{name} {b / 2**20:.2f} MiB" for name, b in plan.items())
-        lines.append(f"  caches k_max={k}: {parts}; total {sum(plan.values()) / 2**20:.2f} MiB; KV pool "
+        lines.append(f"  caches k_max={k}, per device: {parts}; total {sum(plan.values()) / 2**20:.2f} MiB; KV pool "
                      f"{ecfg.total_pages - 1} pages = {(ecfg.total_pages - 1) * ecfg.page_size} concurrent tokens "
                      f"(max_num_seqs x max_model_len = {ecfg.max_num_seqs * ecfg.max_model_len})")
     return lines
@@ -216,15 +223,37 @@ def _cmd_info(args) -> int:
     print(f"parameters: {count:,} ({params_bytes(model.params) / 2**20:.2f} MiB as {model.dtype.__name__})")
     print(f"loop: {model.rounds_per_dispatch} round(s) per dispatch, {model.dispatch_ahead} dispatch(es) ahead "
           f"of the read-back")
+    print(f"mesh: {_mesh_line(model)}")
     print("memory plan:\n" + "\n".join(_memory_lines(model, args.k)))
-    print("bucket table:\n" + jc.print_table(jc.bucket_table(model, k_values=args.k, methods=("ngram",))))
+    table = jc.bucket_table(model, k_values=args.k, methods=("ngram",))
+    print("bucket table:\n" + jc.print_table(table))
+    if model.config.mesh is not None:
+        print("collectives per step (compiled HLO of the largest request bucket, greedy):")
+        for bucket, counts in jc.step_collectives(model, table):
+            found = ", ".join(f"{n} {op}" for op, n in counts.items()) or "none"
+            print(f"  {bucket.name} {bucket.describe()}: {found}")
     return 0
+
+
+def _mesh_line(model) -> str:
+    import jax
+
+    mesh = model.config.mesh
+    if mesh is None:
+        return f"one device ({jax.devices()[0]})"
+    devices = ", ".join(str(d.id) for d in mesh.devices.flat)
+    return (f"tensor parallel {mesh.size} over devices [{devices}] ({jax.default_backend()}, "
+            f"{jax.process_count()} process(es))")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.coordinator_address:  # before anything touches a device
+            from jaxspec.sharding import initialize_distributed
+
+            initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
         return {"generate": _cmd_generate, "precompile": _cmd_precompile, "info": _cmd_info}[args.command](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
         print(f"jaxspec {args.command}: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ API only). Steady-state serving must show zero backend compiles and zero traces.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import jax.monitoring as monitoring
 
+from jaxspec import sharding
 from jaxspec.speculative.session import SESSIONS
 
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -168,19 +170,21 @@ class Bucket:
     method: str | None = None
     sampling: str = ""  # rounds only: "greedy" | "sample"
     steps: int = 0  # rounds only: rounds per dispatch
+    tp: int = 1  # devices of the mesh the executable is SPMD over (the model's tensor_parallel_size)
 
     @property
     def num_tokens(self) -> int:
         return self.num_reqs * self.query_len
 
     def describe(self) -> str:
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
         if not self.num_reqs:  # cache allocation
-            return f"caches k_max={self.engine_k}"
+            return f"caches k_max={self.engine_k}{tp}"
         if not self.query_len:  # a per-request state update at admission
-            return f"one slot k={self.k}"
+            return f"one slot k={self.k}{tp}"
         k = f" k={self.k}" if self.k else ""
         rounds = f" {self.sampling} x{self.steps}" if self.steps else ""
-        return (f"R={self.num_reqs} T={self.query_len} tokens={self.num_tokens}{k}{rounds} "
+        return (f"R={self.num_reqs} T={self.query_len} tokens={self.num_tokens}{k}{rounds}{tp} "
                 f"(caches k_max={self.engine_k})")
 
 
@@ -208,7 +212,10 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
     def engine_k(k):
         return max(k, model.max_num_speculative_tokens)
 
+    tp = sharding.tp_size(model.config)
+
     def add(entry):
+        entry = dataclasses.replace(entry, tp=tp)
         if entry not in table:
             table.append(entry)
 
@@ -280,6 +287,14 @@ def _loop_state(ecfg):
     return jax.eval_shape(lambda: jax.tree_util.tree_map(jnp.asarray, init_loop_state(ecfg)))
 
 
+def _placed(model, args):
+    """Abstract arguments with the shardings the run gives them (jaxspec.sharding.abstract): the
+    executable compiled ahead of time is then the one the run looks up."""
+    from jaxspec import sharding
+
+    return sharding.abstract(args, model.config.mesh)
+
+
 def _engine_args(model, ecfg):
     """(params, cache shapes, loop state shapes) exactly as an Engine passes them."""
     from jaxspec import cache
@@ -297,7 +312,7 @@ def lower_prefill(model, ecfg, C: int, with_hidden: bool = False, taps: tuple[in
 
     fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden, tuple(taps))
     one = _shape((1,), jnp.int32)
-    return fn.lower(*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)
+    return fn.lower(*_placed(model, (*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)))
 
 
 def _lower_set_sampling(model, ecfg):
@@ -307,7 +322,7 @@ def _lower_set_sampling(model, ecfg):
 
     settings = dict(temperature=_shape((), jnp.float32), top_k=_shape((), jnp.int32), top_p=_shape((), jnp.float32),
                     seed=_shape((), jnp.uint32), request_id=_shape((), jnp.int32))
-    return set_slot.lower(_loop_state(ecfg), _shape((1,), jnp.int32), settings)
+    return set_slot.lower(*_placed(model, (_loop_state(ecfg), _shape((1,), jnp.int32), settings)))
 
 
 def _lower_round(model, ecfg, bucket: Bucket, draft_model):
@@ -324,7 +339,8 @@ def _lower_round(model, ecfg, bucket: Bucket, draft_model):
     fn = round_executable(model.config, ecfg, drafter, ops.resolve_kernels(model.kernels),
                           bucket.sampling == "greedy", bucket.steps)
     i32 = jnp.int32
-    return fn.lower(*_engine_args(model, ecfg), dparams, dstate, _shape((bucket.num_reqs,), i32), _shape((), i32), aux)
+    return fn.lower(*_placed(model, (*_engine_args(model, ecfg), dparams, dstate, _shape((bucket.num_reqs,), i32),
+                                     _shape((), i32), aux)))
 
 
 def lower_bucket(model, bucket: Bucket, draft_model=None):
@@ -345,6 +361,16 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
     if bucket.name == "decode" or bucket.name.startswith("verify["):
         return _lower_round(model, ecfg, bucket, draft_model)
     return SESSIONS[bucket.method].lower_admission(model, ecfg, bucket, draft_for(draft_model, bucket.method))
+
+
+def step_collectives(model, table: list[Bucket]) -> list[tuple[Bucket, dict[str, int]]]:
+    """The collectives (all-reduce, all-gather, ...) in the compiled HLO of each decode / verify round
+    of the largest request bucket in greedy mode: what one step pays for tensor parallelism."""
+    from jaxspec.sharding import count_collectives
+
+    top = max((b.num_reqs for b in table if b.steps), default=0)
+    rounds = [b for b in table if b.steps and b.num_reqs == top and b.sampling == "greedy"]
+    return [(b, count_collectives(lower_bucket(model, b).compile().as_text())) for b in rounds]
 
 
 def _memory(compiled) -> int | None:

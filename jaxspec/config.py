@@ -70,6 +70,9 @@ class ModelConfig:
     wrapped: bool = False  # multimodal wrapper: text weights under model.language_model.*
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    # The device mesh the params and caches are sharded over (jaxspec/sharding.py); None = one
+    # device. A static field like the rest, so every executable is keyed on the mesh.
+    mesh: Any = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import cache, ops, sampling
+from jaxspec import cache, ops, sampling, sharding
 from jaxspec.config import EngineConfig, ModelConfig
 from jaxspec.models.model import StepBatch, forward
 
@@ -39,8 +39,8 @@ class LoopState:
     sampling: sampling.SamplingParams  # [S+1] fields: temperature, top_k, top_p, seed, request_id
 
 
-def init_loop_state(ecfg: EngineConfig) -> LoopState:
-    """Zeros for every slot (host arrays + one transfer; no device compile)."""
+def init_loop_state(ecfg: EngineConfig, mesh=None) -> LoopState:
+    """Zeros for every slot (host arrays + one transfer, replicated over the mesh; no device compile)."""
     n = ecfg.max_num_seqs + 1
     zeros = lambda dtype: np.zeros((n,), dtype)  # noqa: E731
     host = LoopState(last_token=zeros(np.int32), position=zeros(np.int32), num_emitted=np.ones((n,), np.int32),
@@ -48,7 +48,7 @@ def init_loop_state(ecfg: EngineConfig) -> LoopState:
                      sampling=sampling.SamplingParams(temperature=zeros(np.float32), top_k=zeros(np.int32),
                                                       top_p=np.ones((n,), np.float32), seed=zeros(np.uint32),
                                                       request_id=zeros(np.int32)))
-    return jax.device_put(host)
+    return sharding.put(host, mesh)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -135,15 +135,15 @@ def logits_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str):
 
 
 @functools.lru_cache(maxsize=1024)
-def _device_int32(values: tuple) -> jax.Array:
-    """A cached device copy of a small int32 vector (row slots, chunk metadata): the same rows step
-    after step cost no host-to-device transfer."""
-    return jax.device_put(np.asarray(values, np.int32))
+def _device_int32(values: tuple, mesh=None) -> jax.Array:
+    """A cached device copy (replicated over the mesh) of a small int32 vector (row slots, chunk
+    metadata): the same rows step after step cost no host-to-device transfer."""
+    return sharding.put(np.asarray(values, np.int32), mesh)
 
 
-def _chunk_meta(start: int, num_valid: int, slot: int) -> tuple:
+def _chunk_meta(start: int, num_valid: int, slot: int, mesh) -> tuple:
     """(start_pos [1], num_valid [1], slot [1]) device arrays of one chunk."""
-    return _device_int32((start,)), _device_int32((num_valid,)), _device_int32((slot,))
+    return _device_int32((start,), mesh), _device_int32((num_valid,), mesh), _device_int32((slot,), mesh)
 
 
 class Engine:
@@ -152,12 +152,13 @@ class Engine:
 
     def __init__(self, model, ecfg: EngineConfig, *, memory_budget: int | None = None):
         self.model, self.cfg, self.ecfg = model, model.config, ecfg
+        self.mesh = model.config.mesh
         self.kernels = ops.resolve_kernels(model.kernels)
         self.memory_plan = memory_plan(model, ecfg)
         budget = memory_budget if memory_budget is not None else cache.budget_of(model)
         cache.check_budget(self.memory_plan, budget)  # refuse before allocating anything
         self.caches = cache.allocate(self.cfg, ecfg, model.dtype)
-        self.state = init_loop_state(ecfg)
+        self.state = init_loop_state(ecfg, self.mesh)
         self.pages = cache.PageAllocator(ecfg.total_pages)
         self.block_tables = np.zeros((ecfg.max_num_seqs + 1, ecfg.pages_per_seq), np.int32)  # host mirror
         self._tables_dirty = False
@@ -199,7 +200,7 @@ class Engine:
         """Send the block tables to the loop state if pages changed since the last call (one
         [S+1, P] int32 transfer; most rounds send nothing because pages are reserved ahead)."""
         if self._tables_dirty:
-            tables = jax.device_put(self.block_tables)
+            tables = sharding.put(self.block_tables, self.mesh)
             s = self.state
             self.state = LoopState(s.last_token, s.position, s.num_emitted, tables, s.sampling)
             self._tables_dirty = False
@@ -209,7 +210,7 @@ class Engine:
         """Record an admitted request's sampling settings in its slot (a transfer of 5 scalars)."""
         host = dict(temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
                     seed=np.uint32(seed), request_id=np.int32(request_id))
-        self.state = set_slot(self.state, _device_int32((slot,)), jax.device_put(host))
+        self.state = set_slot(self.state, _device_int32((slot,), self.mesh), sharding.put(host, self.mesh))
 
     def prefill(self, slot: int, prompt: list[int], on_hidden=None, taps: tuple[int, ...] = ()) -> jax.Array:
         """Prefill a prompt into the slot in fixed chunks (the slot's sampling settings set first).
@@ -230,7 +231,8 @@ class Engine:
             tokens = np.zeros((1, C), np.int32)
             tokens[0, :len(chunk)] = chunk
             token, self.caches, self.state, *hidden = run(self.model.params, self.caches, self.state,
-                                                          jax.device_put(tokens), *_chunk_meta(pos, len(chunk), slot))
+                                                          sharding.put(tokens, self.mesh),
+                                                          *_chunk_meta(pos, len(chunk), slot, self.mesh))
             if on_hidden is not None:
                 nxt = list(prompt[pos + 1:pos + 1 + len(chunk)])
                 if len(nxt) < len(chunk):  # the last position's next token is the sampled one
@@ -252,8 +254,9 @@ class Engine:
             part = tokens[pos:pos + C]
             ids = np.zeros((1, C), np.int32)
             ids[0, :len(part)] = part
-            logits, self.caches, self.state = run(self.model.params, self.caches, self.state, jax.device_put(ids),
-                                                  *_chunk_meta(start_pos + pos, len(part), slot), mode=mode)
+            logits, self.caches, self.state = run(self.model.params, self.caches, self.state,
+                                                  sharding.put(ids, self.mesh),
+                                                  *_chunk_meta(start_pos + pos, len(part), slot, self.mesh), mode=mode)
             out.append(np.asarray(logits)[0, :len(part)])
             pos += len(part)
         return np.concatenate(out, axis=0)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import cache, demo, ops, weights
+from jaxspec import cache, demo, ops, sharding, weights
 from jaxspec import compile as compile_cache
 from jaxspec import tokenizer as tok
 from jaxspec.config import ConfigError, EngineConfig, ModelConfig
@@ -129,17 +129,40 @@ def _read_config(path: Path) -> dict:
         raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
 
 
-def _load_demo(name: str, dtype: str):
+def _load_demo(name: str, dtype: str, tensor_parallel_size: int):
     family = demo.random_demo_family(name)
-    cfg = demo.demo_config(family)
+    cfg = _with_mesh(demo.demo_config(family), tensor_parallel_size)
     jdtype = _resolve_dtype(dtype, cfg)
     params = demo.init_params(cfg, seed=0, dtype=jdtype)
+    if cfg.mesh is not None:  # seeded on one device (the demos are small), then sharded
+        params = jax.device_put(params, sharding.param_shardings(cfg, params))
     return cfg, params, tok.ByteTokenizer(cfg.vocab_size), jdtype, demo.DEMO_HF_CONFIGS[family]
 
 
-def _load_dir(path: Path, dtype: str):
+def _with_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """cfg on a mesh of tensor_parallel_size devices, refused (before anything is read or
+    allocated) when the devices or the model's sizes do not allow it."""
+    sharding.check(cfg, tensor_parallel_size)
+    return cfg.replace(mesh=sharding.make_mesh(tensor_parallel_size))
+
+
+def _restore(path: Path, cfg: ModelConfig, jdtype):
+    """A jaxspec.save directory's params, restored by orbax straight into cfg's shardings (any mesh:
+    the saved arrays are whole, whatever mesh saved them), in jdtype."""
+    shapes = weights.saved_shapes(path)
+    target = jax.tree_util.tree_map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
+                                    shapes, sharding.param_shardings(cfg, shapes), is_leaf=lambda x: x is None)
+    params = weights.restore_params(path, target)
+    if cfg.mesh is None:
+        # Through the host, like hf_to_params: orbax restores device-committed arrays, which jit keys
+        # apart from the uncommitted ones of every other load path (a reloaded model would recompile).
+        return jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x).astype(jdtype, copy=False)), params)
+    return jax.tree_util.tree_map(lambda x: x if x.dtype == jdtype else x.astype(jdtype), params)
+
+
+def _load_dir(path: Path, dtype: str, tensor_parallel_size: int):
     hf_config = _read_config(path)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = _with_mesh(ModelConfig.from_hf(hf_config), tensor_parallel_size)
     eos = tok.eos_token_ids(path, hf_config)
     if eos:
         cfg = cfg.replace(eos_token_ids=tuple(eos))
@@ -149,14 +172,14 @@ def _load_dir(path: Path, dtype: str):
     jdtype = _resolve_dtype(dtype, cfg)
     tokenizer = tok.load_tokenizer(path, hf_config)
     if saved:
-        params = weights.restore_params(path)
-        # Through the host, like hf_to_params: orbax restores device-committed arrays, which jit keys
-        # apart from the uncommitted ones of every other load path (a reloaded model would recompile).
-        params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x).astype(jdtype, copy=False)), params)
+        if saved.get("gdn_channels") != "grouped" and cfg.is_hybrid:
+            raise ConfigError(f"{path} was saved by an older jaxspec (flat GDN channels); re-save it from its "
+                              f"Hugging Face checkpoint")
+        params = _restore(path, cfg, jdtype)
         if saved.get("tokenizer") == "byte":
             tokenizer = tok.ByteTokenizer(cfg.vocab_size)
     else:
-        params = weights.hf_to_params(cfg, weights.read_checkpoint_tensors(path), jnp.dtype(jdtype).name)
+        params = weights.hf_to_params(cfg, weights.open_checkpoint(path), jnp.dtype(jdtype).name)
     return cfg, params, tokenizer, jdtype, hf_config
 
 
@@ -167,7 +190,7 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
          k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
          rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto",
-         num_kv_pages: int | None = None) -> Model:
+         num_kv_pages: int | None = None, tensor_parallel_size: int = 1) -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
@@ -189,9 +212,15 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     what max_num_seqs requests of max_model_len can use; with no budget (CPU) the cap. Fewer pages
     than the cap share memory among requests: admission waits for free pages, and a request that
     runs out is preempted and later recomputed (docs/architecture.md, "Life of a request").
-    memory_budget: bytes the weights plus the caches may use (None = the device's limit, where it
-    reports one); an engine that would exceed it is refused before its caches are allocated, with
-    cache.MemoryBudgetError naming the largest component. The plain-decoding engine is checked here.
+    memory_budget: bytes the weights plus the caches may use on each device (None = the device's
+    limit, where it reports one); an engine that would exceed it is refused before its caches are
+    allocated, with cache.MemoryBudgetError naming the largest component. The plain-decoding engine
+    is checked here.
+    tensor_parallel_size: N devices (of jax.devices(), every process's after
+    jaxspec.initialize_distributed) that the model is sharded over: attention and GDN heads, MLP and
+    expert intermediate dimensions, the vocabulary, and the caches by heads; every weight is read
+    straight into its shards (docs/architecture.md, "Tensor parallelism"). A size the devices or the
+    model's dimensions do not allow is refused with a ValueError naming both, before anything is read.
     """
     ops.resolve_kernels(kernels)  # validate early
     if k_mode not in K_MODES:
@@ -220,9 +249,9 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
                                 f"pass a checkpoint directory, 'demo', 'demo-draft' or 'demo[:family]'")
     compile_cache.enable_persistent_cache(cache_dir)  # after validation, before anything compiles
     if is_random_demo:
-        cfg, params, tokenizer, jdtype, hf_config = _load_demo(name, dtype)
+        cfg, params, tokenizer, jdtype, hf_config = _load_demo(name, dtype, tensor_parallel_size)
     else:
-        cfg, params, tokenizer, jdtype, hf_config = _load_dir(path, dtype)
+        cfg, params, tokenizer, jdtype, hf_config = _load_dir(path, dtype, tensor_parallel_size)
     max_model_len = _validate_sizes(max_model_len, max_num_seqs, cfg)
     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                  prefill_chunk=prefill_chunk)  # validates the sizes
@@ -246,7 +275,7 @@ def save(model: Model, directory: str | Path) -> Path:
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     # The model's effective EOS ids (generation_config.json's, when it had one), where load looks first.
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
-    marker = {"format": "orbax", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None}
+    marker = {"format": "orbax", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None, "gdn_channels": "grouped"}
     if isinstance(model.tokenizer, tok.ByteTokenizer):
         marker["tokenizer"] = "byte"
     elif isinstance(model.tokenizer, tok.HFTokenizer):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxspec import sharding
 from jaxspec.cache import MemoryBudgetError
 from jaxspec.engine import _device_int32
 from jaxspec.speculative.round import round_executable
@@ -126,7 +127,7 @@ class Loop:
         self.active: list[Request] = []  # admitted, slot held, in admission order (finished ones until retired)
         self.pending: deque[Request] = deque()
         self.inflight: deque[Dispatch] = deque()
-        self._num_drafts = jax.device_put(np.int32(k))
+        self._num_drafts = sharding.put(np.int32(k), model.config.mesh)
 
     # ---- the loop ----------------------------------------------------------------------------
     def events(self, requests: list[Request]):
@@ -189,7 +190,7 @@ class Loop:
             return
         eng.sync_tables()
         R = eng.ecfg.request_bucket(len(running))
-        rows = _device_int32(tuple(r.slot for r in running) + (0,) * (R - len(running)))
+        rows = _device_int32(tuple(r.slot for r in running) + (0,) * (R - len(running)), self.engine.mesh)
         greedy = all(r.temperature <= 0 for r in running)
         run = round_executable(self.model.config, eng.ecfg, self.session.drafter, eng.kernels, greedy, S)
         s = self.session

@@ -1,14 +1,16 @@
 """Hugging Face safetensors checkpoints <-> the jaxspec params pytree (docs/architecture.md).
 
-Reading is our own parser of the safetensors format (8-byte little-endian header length, a JSON
-header `{name: {dtype, shape, data_offsets}}`, then raw little-endian data), memory-mapped, so
-bfloat16 works through ml_dtypes and a truncated file is reported with its name.
+Reading goes through the safetensors library's slicing reader (`safe_open(..., framework="numpy")`,
+`get_slice`): a weight is built lazily in params layout (`_Lazy`) and each device's shard reads
+only its own bytes of the file (bfloat16 arrives as ml_dtypes.bfloat16); a corrupt or truncated
+file is reported with its name. Writing (`write_safetensors`, for tests and tools) is our own.
 
 The HF-name maps are explicit: every params leaf has one HF tensor name, one expected HF shape and
 one transform ("linear": HF [out, in] -> [in, out]; "raw": copied; "conv": [C, 1, K] -> [K, C]).
 Two layouts need more than a per-tensor transform and have their own functions: MoE experts
 (stacked from per-expert keys or from the fused `gate_up_proj`/`down_proj`) and Qwen3-Next's
-grouped `in_proj_qkvz`/`in_proj_ba` (reordered into the flat GDN layout).
+grouped `in_proj_qkvz`/`in_proj_ba`. GDN channels (qkv columns, conv) are stored grouped by key
+head (`grouped_channels`), so a contiguous shard holds whole GVA groups.
 """
 
 from __future__ import annotations
@@ -54,45 +56,19 @@ class CheckpointError(ValueError):
     or tensor."""
 
 
-# ---- Reading and writing safetensors files ---------------------------------------------------------
+# ---- Reading safetensors files: the safetensors library's slicing reader ------------------------
 
-def _read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """Returns (header dict, offset of the data section). Raises CheckpointError naming the file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        n = int.from_bytes(raw, "little")
-        if n > size - 8:
-            raise CheckpointError(f"{path}: corrupt or truncated safetensors file (header length {n} "
-                                  f"exceeds the {size}-byte file)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    return header, 8 + n
+def _open_file(path: Path) -> dict[str, Any]:
+    """{name: lazy slice} of one .safetensors file (safe_open(..., framework="numpy").get_slice):
+    nothing is read until a slice is indexed, and then only the bytes of that index (bfloat16 comes
+    back as ml_dtypes.bfloat16). Raises CheckpointError naming a corrupt or truncated file."""
+    from safetensors import SafetensorError, safe_open
 
-
-def _read_file(path: Path) -> Tensors:
-    """All tensors of one .safetensors file as read-only numpy views of a memory map."""
-    header, start = _read_header(path)
-    header.pop("__metadata__", None)
-    data_len = path.stat().st_size - start
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(data_len,)) if data_len else None
-    out = {}
-    for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = _ST_DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}") from None
-        if not 0 <= lo <= hi <= data_len or hi - lo != int(np.prod(shape)) * dtype.itemsize:
-            raise CheckpointError(f"{path}: truncated or corrupt: tensor {name!r} {info['dtype']}{list(shape)} "
-                                  f"needs bytes [{lo}, {hi}) but the data section has {data_len} bytes")
-        out[name] = np.ndarray(shape, dtype, buffer=mm, offset=lo) if hi > lo else np.zeros(shape, dtype)
-    return out
+    try:
+        f = safe_open(str(path), framework="numpy")
+        return {name: f.get_slice(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
 def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
@@ -119,22 +95,27 @@ def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
     return found, {}
 
 
-def read_checkpoint_tensors(path: str | os.PathLike) -> Tensors:
-    """Reads a checkpoint directory (`model.safetensors`, or shards listed by
-    `model.safetensors.index.json`), or a single .safetensors file, into {HF name: numpy array}.
-    Arrays keep the stored dtype (bfloat16 as ml_dtypes.bfloat16) and are read-only memory-mapped
-    views. Raises CheckpointError naming the missing directory / shard or the corrupt file."""
+def open_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint directory (`model.safetensors`, or shards listed by `model.safetensors.index.json`)
+    or a single .safetensors file as {HF name: lazy slice}; hf_to_params reads from it only what each
+    device's shard of each weight needs. Raises CheckpointError naming the missing directory / shard
+    or the corrupt file."""
     path = Path(path)
     files, weight_map = ([path], {}) if path.suffix == ".safetensors" and path.is_file() else _shard_files(path)
-    total = sum(f.stat().st_size for f in files)
-    tensors: Tensors = {}
-    for f in tqdm(files, desc="reading shards", unit="file", disable=total <= PROGRESS_BYTES):
-        tensors.update(_read_file(f))
+    tensors: dict[str, Any] = {}
+    for f in files:
+        tensors.update(_open_file(f))
     absent = [name for name in weight_map if name not in tensors]
     if absent:
         raise CheckpointError(f"{INDEX_FILE} maps tensor {absent[0]!r} to shard {weight_map[absent[0]]!r}, "
                               f"which does not contain it")
     return tensors
+
+
+def read_checkpoint_tensors(path: str | os.PathLike) -> Tensors:
+    """open_checkpoint, read whole: {HF name: numpy array} in the stored dtype (bfloat16 as
+    ml_dtypes.bfloat16)."""
+    return {name: _Lazy.of(t).full() for name, t in open_checkpoint(path).items()}
 
 
 def write_safetensors(tensors: Tensors, path: str | os.PathLike) -> Path:
@@ -263,32 +244,81 @@ def _mtp_spec(cfg: ModelConfig) -> Spec:
             "norm": ("mtp.norm.weight", (H,), "raw")}
 
 
-# ---- HF -> params ----------------------------------------------------------------------------------
+# ---- Lazy tensors: a weight in params layout, read slice by slice ----------------------------------
 
-class _Source:
-    """The checkpoint's tensors and the names consumed so far (to report tensors nobody used)."""
-
-    def __init__(self, tensors: Tensors):
-        self.tensors, self.used = tensors, set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-
-def _take(src: _Source, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if name not in src:
-        raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
-    t = src.tensors[name]
-    src.used.add(name)
-    if tuple(t.shape) != tuple(shape):
-        raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
-    return t
+def _norm_index(index, shape) -> tuple[slice, ...]:
+    """A basic index (a tuple of slices, as make_array_from_callback passes) with explicit bounds."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+    out = []
+    for i, n in zip(index, shape, strict=True):
+        start, stop, step = i.indices(n)
+        if step != 1:
+            raise ValueError(f"only unit-step slices are read, got {i}")
+        out.append(slice(start, stop))
+    return tuple(out)
 
 
-_TO_PARAMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "linear": lambda t: t.T,                      # [out, in] -> [in, out]
+class _Lazy:
+    """A tensor of a given shape whose values are read on demand: `lazy[index]` -> numpy, for a
+    tuple of unit-step slices. Built from a stored tensor (a safetensors slice or a numpy array)
+    by the transforms below, so a device reads only its shard's bytes of the checkpoint."""
+
+    def __init__(self, shape, read: Callable[[tuple[slice, ...]], np.ndarray]):
+        self.shape, self._read = tuple(int(n) for n in shape), read
+
+    @classmethod
+    def of(cls, stored) -> _Lazy:
+        if isinstance(stored, _Lazy):
+            return stored
+        shape = stored.shape if hasattr(stored, "shape") else stored.get_shape()
+        return cls(shape, lambda index: np.asarray(stored[index]))
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self._read(_norm_index(index, self.shape))
+
+    def full(self) -> np.ndarray:
+        return self[()]
+
+    def transpose(self, axes: tuple[int, ...]) -> _Lazy:
+        inverse = np.argsort(axes)
+        return _Lazy([self.shape[a] for a in axes],
+                     lambda index: self[tuple(index[i] for i in inverse)].transpose(axes))
+
+    def take(self, rows: np.ndarray, axis: int) -> _Lazy:
+        """self gathered along `axis` at integer `rows`; each run of consecutive rows is one slice read."""
+        rows = np.asarray(rows)
+        shape = list(self.shape)
+        shape[axis] = len(rows)
+
+        def read(index):
+            wanted = rows[index[axis]]
+            cuts = np.flatnonzero(np.diff(wanted) != 1) + 1
+            parts = []
+            for run in np.split(wanted, cuts) if len(wanted) else []:
+                sub = list(index)
+                sub[axis] = slice(int(run[0]), int(run[-1]) + 1)
+                parts.append(self[tuple(sub)])
+            if not parts:
+                return np.zeros([s.stop - s.start for s in index], self._dtype())
+            return np.concatenate(parts, axis=axis)
+
+        return _Lazy(shape, read)
+
+    def _dtype(self):
+        return self[tuple(slice(0, min(n, 1)) for n in self.shape)].dtype
+
+    @staticmethod
+    def stack(parts: list[_Lazy]) -> _Lazy:
+        """[n, *shape] from n lazies of one shape."""
+        return _Lazy([len(parts), *parts[0].shape],
+                     lambda index: np.stack([parts[e][index[1:]] for e in range(len(parts))[index[0]]]))
+
+
+_TO_PARAMS: dict[str, Callable[[_Lazy], _Lazy]] = {
+    "linear": lambda t: t.transpose((1, 0)),      # [out, in] -> [in, out]
     "raw": lambda t: t,
-    "conv": lambda t: t[:, 0, :].T,               # [C, 1, K] -> [K, C]
+    "conv": lambda t: _Lazy([t.shape[2], t.shape[0]],                     # [C, 1, K] -> [K, C]
+                            lambda i: t[(i[1], slice(0, 1), i[0])][:, 0, :].T),
 }
 _TO_HF: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "linear": lambda a: a.T,
@@ -297,82 +327,105 @@ _TO_HF: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def _load_spec(src: _Source, spec: Spec, cast: Callable) -> dict[str, jax.Array]:
-    return {key: cast(_TO_PARAMS[kind](_take(src, name, shape))) for key, (name, shape, kind) in spec.items()}
+# ---- HF -> params ----------------------------------------------------------------------------------
+
+class _Source:
+    """The checkpoint's tensors and the names consumed so far (to report tensors nobody used)."""
+
+    def __init__(self, tensors):
+        self.tensors, self.used = tensors, set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
 
 
-def _load_experts(cfg: ModelConfig, src: _Source, p: str, cast: Callable) -> dict[str, jax.Array]:
+def _take(src: _Source, name: str, shape: tuple[int, ...]) -> _Lazy:
+    if name not in src:
+        raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+    t = _Lazy.of(src.tensors[name])
+    src.used.add(name)
+    if t.shape != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def _load_spec(src: _Source, spec: Spec) -> dict[str, _Lazy]:
+    return {key: _TO_PARAMS[kind](_take(src, name, shape)) for key, (name, shape, kind) in spec.items()}
+
+
+def _load_experts(cfg: ModelConfig, src: _Source, p: str) -> dict[str, _Lazy]:
     """-> gate, up [E, H, Ie], down [E, Ie, H], from the fused or the per-expert layout."""
     E, H, Ie = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     fused = _fused_expert_names(p)
     if fused["gate_up"] in src:
         gate_up = _take(src, fused["gate_up"], (E, 2 * Ie, H))
         down = _take(src, fused["down"], (E, H, Ie))
-        return {"gate": cast(gate_up[:, :Ie].transpose(0, 2, 1)), "up": cast(gate_up[:, Ie:].transpose(0, 2, 1)),
-                "down": cast(down.transpose(0, 2, 1))}
+        return {"gate": gate_up.take(np.arange(Ie), 1).transpose((0, 2, 1)),
+                "up": gate_up.take(np.arange(Ie, 2 * Ie), 1).transpose((0, 2, 1)), "down": down.transpose((0, 2, 1))}
     shapes = {"gate": (Ie, H), "up": (Ie, H), "down": (H, Ie)}
-    out = {}
-    for key, shape in shapes.items():
-        per_expert = [_take(src, _expert_names(p, e)[key], shape).T for e in range(E)]
-        out[key] = cast(np.stack(per_expert))
-    return out
+    return {key: _Lazy.stack([_take(src, _expert_names(p, e)[key], shape).transpose((1, 0)) for e in range(E)])
+            for key, shape in shapes.items()}
 
 
-def _load_moe(cfg: ModelConfig, src: _Source, p: str, cast: Callable) -> dict[str, Any]:
-    moe = _load_spec(src, _moe_spec(cfg, p), cast)
-    moe.update(_load_experts(cfg, src, p, cast))
+def _load_moe(cfg: ModelConfig, src: _Source, p: str) -> dict[str, Any]:
+    moe = _load_spec(src, _moe_spec(cfg, p))
+    moe.update(_load_experts(cfg, src, p))
     if cfg.shared_expert_intermediate_size:
-        spec = _dense_mlp_spec(cfg, p, cfg.shared_expert_intermediate_size, name="mlp.shared_expert")
-        moe["shared"] = _load_spec(src, spec, cast)
+        moe["shared"] = _load_spec(src, _dense_mlp_spec(cfg, p, cfg.shared_expert_intermediate_size,
+                                                        name="mlp.shared_expert"))
     return moe
 
 
-def _next_to_flat(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
-    """Grouped HF rows -> flat HF-orientation rows: qkv [conv_dim, H], z [HV*dv, H], b, a [HV, H].
-    Value head j = h*r + i sits in key head h's group (j // r == h), so flattening the per-group
-    v / z blocks in group order gives value heads in order."""
-    HK, dk, dv, H = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.hidden_size
+def grouped_channels(cfg: ModelConfig) -> np.ndarray:
+    """The flat [q | k | v] channel (HF in_proj_qkv row, conv1d channel) of each channel of the
+    grouped layout [q_h | k_h | v_h (r value heads)] per key head h (docs/architecture.md)."""
+    HK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // HK
-    g = qkvz.reshape(HK, 2 * dk + 2 * r * dv, H)
-    q, k = g[:, :dk], g[:, dk:2 * dk]
-    v, z = g[:, 2 * dk:2 * dk + r * dv], g[:, 2 * dk + r * dv:]
-    qkv = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)])
-    gba = ba.reshape(HK, 2 * r, H)
-    return {"qkv": qkv, "z": z.reshape(-1, H), "b": gba[:, :r].reshape(-1, H), "a": gba[:, r:].reshape(-1, H)}
+    h = np.arange(HK)[:, None]
+    q, k = h * dk + np.arange(dk), HK * dk + h * dk + np.arange(dk)
+    v = 2 * HK * dk + h * r * dv + np.arange(r * dv)
+    return np.concatenate([q, k, v], axis=1).reshape(-1)
 
 
-def _flat_to_next(cfg: ModelConfig, qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray):
-    """Inverse of _next_to_flat: flat HF-orientation rows -> (in_proj_qkvz, in_proj_ba)."""
-    HK, dk, dv, H = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.hidden_size
+def _next_rows(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Rows of Qwen3-Next's grouped in_proj_qkvz ([q_h | k_h | v_h | z_h] per key head h) and
+    in_proj_ba ([b_h (r) | a_h (r)]) that make the grouped qkv, z, b and a. Value head j = h*r + i
+    sits in key head h's group, so the per-group z / b / a blocks in group order are in head order."""
+    HK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // HK
-    kd = HK * dk
-    q, k, v = qkv[:kd].reshape(HK, dk, H), qkv[kd:2 * kd].reshape(HK, dk, H), qkv[2 * kd:].reshape(HK, r * dv, H)
-    qkvz = np.concatenate([q, k, v, z.reshape(HK, r * dv, H)], axis=1).reshape(-1, H)
-    ba = np.concatenate([b.reshape(HK, r, H), a.reshape(HK, r, H)], axis=1).reshape(-1, H)
-    return qkvz, ba
+    g, h = 2 * dk + 2 * r * dv, np.arange(HK)[:, None]
+    return {"qkv": (h * g + np.arange(2 * dk + r * dv)).reshape(-1),
+            "z": (h * g + 2 * dk + r * dv + np.arange(r * dv)).reshape(-1),
+            "b": (h * 2 * r + np.arange(r)).reshape(-1), "a": (h * 2 * r + r + np.arange(r)).reshape(-1)}
 
 
-def _load_gdn(cfg: ModelConfig, src: _Source, p: str, cast: Callable) -> dict[str, jax.Array]:
-    gdn = _load_spec(src, _gdn_common_spec(cfg, p), cast)
+def _load_gdn(cfg: ModelConfig, src: _Source, p: str) -> dict[str, _Lazy]:
+    """The GDN mixer with qkv / conv channels in the grouped layout (grouped_channels)."""
+    common = _gdn_common_spec(cfg, p)
+    conv_name, conv_shape, _ = common.pop("conv")
+    gdn = _load_spec(src, common)
+    gdn["conv"] = _TO_PARAMS["conv"](_take(src, conv_name, conv_shape).take(grouped_channels(cfg), 0))
     if cfg.family == "qwen3_next":
         names = _next_grouped_names(cfg, p)
-        flat = _next_to_flat(cfg, *(_take(src, n, s) for n, s in names.values()))
-        gdn.update({key: cast(w.T) for key, w in flat.items()})
+        qkvz, ba = (_take(src, *names[key]) for key in ("qkvz", "ba"))
+        for key, rows in _next_rows(cfg).items():
+            gdn[key] = (qkvz if key in ("qkv", "z") else ba).take(rows, 0).transpose((1, 0))
     else:
-        gdn.update(_load_spec(src, _gdn_flat_spec(cfg, p), cast))
+        gdn.update(_load_spec(src, _gdn_flat_spec(cfg, p)))
+        gdn["qkv"] = gdn["qkv"].take(grouped_channels(cfg), 1)
     return gdn
 
 
-def _load_layer(cfg: ModelConfig, src: _Source, p: str, mixer: str, mlp: str, cast: Callable) -> dict:
-    layer = _load_spec(src, _layer_norms(cfg, p), cast)
+def _load_layer(cfg: ModelConfig, src: _Source, p: str, mixer: str, mlp: str) -> dict:
+    layer = _load_spec(src, _layer_norms(cfg, p))
     if mixer == FULL:
-        layer["attn"] = _load_spec(src, _attn_spec(cfg, p), cast)
+        layer["attn"] = _load_spec(src, _attn_spec(cfg, p))
     else:
-        layer["gdn"] = _load_gdn(cfg, src, p, cast)
+        layer["gdn"] = _load_gdn(cfg, src, p)
     if mlp == "moe":
-        layer["moe"] = _load_moe(cfg, src, p, cast)
+        layer["moe"] = _load_moe(cfg, src, p)
     else:
-        layer["mlp"] = _load_spec(src, _dense_mlp_spec(cfg, p, cfg.intermediate_size), cast)
+        layer["mlp"] = _load_spec(src, _dense_mlp_spec(cfg, p, cfg.intermediate_size))
     return layer
 
 
@@ -387,13 +440,29 @@ def _mtp_layer_count(src: _Source) -> int:
     return n
 
 
-def _load_mtp(cfg: ModelConfig, src: _Source, cast: Callable) -> dict[str, Any]:
-    mtp = _load_spec(src, _mtp_spec(cfg), cast)
-    mtp["layers"] = [_load_layer(cfg, src, f"mtp.layers.{i}.", FULL, _mtp_mlp_kind(cfg), cast)
+def _load_mtp(cfg: ModelConfig, src: _Source) -> dict[str, Any]:
+    mtp = _load_spec(src, _mtp_spec(cfg))
+    mtp["layers"] = [_load_layer(cfg, src, f"mtp.layers.{i}.", FULL, _mtp_mlp_kind(cfg))
                      for i in range(_mtp_layer_count(src))]
     if not mtp["layers"]:
         raise CheckpointError("checkpoint has mtp.fc.weight but no mtp.layers.0.* decoder layer")
     return mtp
+
+
+def _materialize(t: _Lazy, sharding, dtype) -> jax.Array:
+    """One weight on the device(s): whole, or (a sharding) each device's shard read on its own, so
+    no device ever holds the whole weight first. A shard shared by several devices is read once."""
+    if sharding is None:
+        return jnp.asarray(np.asarray(t.full(), dtype=dtype))
+    read: dict[tuple, np.ndarray] = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop) for s in _norm_index(index, t.shape))
+        if key not in read:
+            read[key] = np.asarray(t[index], dtype=dtype)
+        return read[key]
+
+    return jax.make_array_from_callback(t.shape, sharding, shard)
 
 
 def resolve_dtype(cfg: ModelConfig, dtype: str) -> jnp.dtype:
@@ -407,29 +476,32 @@ def resolve_dtype(cfg: ModelConfig, dtype: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def hf_to_params(cfg: ModelConfig, tensors: Tensors, dtype: str = "auto") -> dict[str, Any]:
-    """HF tensors {name: [out, in] ...} -> params pytree of docs/architecture.md (jax arrays of
-    `dtype`: "auto" = cfg.torch_dtype, "bfloat16" or "float32"). `model.visual.*` tensors are
-    skipped; `mtp.*` tensors land in params["mtp"] when present. Raises CheckpointError naming a
-    missing tensor or a tensor whose shape does not match the config."""
+def hf_to_params(cfg: ModelConfig, tensors, dtype: str = "auto") -> dict[str, Any]:
+    """HF tensors {name: [out, in] ...} (numpy arrays or open_checkpoint's lazy slices) -> params
+    pytree of docs/architecture.md (jax arrays of `dtype`: "auto" = cfg.torch_dtype, "bfloat16" or
+    "float32"), each sharded over cfg.mesh by jaxspec.sharding and read shard by shard.
+    `model.visual.*` tensors are skipped; `mtp.*` tensors land in params["mtp"] when present.
+    Raises CheckpointError naming a missing tensor or a tensor whose shape does not match the config."""
+    from jaxspec import sharding
+
     target = resolve_dtype(cfg, dtype)
-
-    def cast(t: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.asarray(t, dtype=target))
-
     src = _Source(tensors)
-    params = _load_spec(src, _top_spec(cfg), cast)
-    params["layers"] = [
-        _load_layer(cfg, src, _layer_prefix(cfg, i), cfg.layer_types[i], cfg.mlp_kinds[i], cast)
-        for i in tqdm(range(cfg.num_hidden_layers), desc="converting layers", unit="layer",
-                      disable=_nbytes(tensors) <= PROGRESS_BYTES)]
+    lazy = _load_spec(src, _top_spec(cfg))
+    lazy["layers"] = [_load_layer(cfg, src, _layer_prefix(cfg, i), cfg.layer_types[i], cfg.mlp_kinds[i])
+                      for i in range(cfg.num_hidden_layers)]
     if "mtp.fc.weight" in src:
-        params["mtp"] = _load_mtp(cfg, src, cast)
+        lazy["mtp"] = _load_mtp(cfg, src)
     elif cfg.mtp_num_hidden_layers:
         log.info("config has mtp_num_hidden_layers=%d but the checkpoint has no mtp.* weights",
                  cfg.mtp_num_hidden_layers)
     _report_unused(src)
-    return params
+    leaves, tree = jax.tree_util.tree_flatten(lazy)
+    shardings = jax.tree_util.tree_leaves(sharding.param_shardings(cfg, lazy), is_leaf=lambda x: x is None)
+    total = sum(int(np.prod(t.shape)) for t in leaves) * target.itemsize
+    arrays = [_materialize(t, sh, target) for t, sh in tqdm(zip(leaves, shardings, strict=True), total=len(leaves),
+                                                             desc="loading weights", unit="tensor",
+                                                             disable=total <= PROGRESS_BYTES)]
+    return jax.tree_util.tree_unflatten(tree, arrays)
 
 
 def _report_unused(src: _Source) -> None:
@@ -443,10 +515,6 @@ def _report_unused(src: _Source) -> None:
     if other:
         log.warning("ignoring %d checkpoint tensors that the config does not use, e.g. %s",
                     len(other), ", ".join(other[:5]))
-
-
-def _nbytes(tensors: Tensors) -> int:
-    return sum(t.nbytes for t in tensors.values())
 
 
 # ---- params -> HF (exact inverse of hf_to_params) --------------------------------------------------
@@ -472,20 +540,32 @@ def _export_experts(moe: dict, p: str, out: Tensors, fused: bool) -> None:
             out[names[key]] = np.ascontiguousarray(w.T)
 
 
+def _ungroup(cfg: ModelConfig, a) -> np.ndarray:
+    """Columns in the grouped GDN channel layout -> the flat [q | k | v] order."""
+    a = np.asarray(a)
+    flat = np.empty_like(a)
+    flat[:, grouped_channels(cfg)] = a
+    return flat
+
+
 def _export_layer(cfg: ModelConfig, layer: dict, p: str, out: Tensors, fused_experts: bool) -> None:
     _export_spec(layer, _layer_norms(cfg, p), out)
     if "attn" in layer:
         _export_spec(layer["attn"], _attn_spec(cfg, p), out)
     else:
-        gdn = layer["gdn"]
+        gdn = dict(layer["gdn"])
+        gdn["conv"] = _ungroup(cfg, gdn["conv"])
         _export_spec(gdn, _gdn_common_spec(cfg, p), out)
         if cfg.family == "qwen3_next":
-            flat = {k: np.asarray(gdn[k]).T for k in ("qkv", "z", "b", "a")}
             names = _next_grouped_names(cfg, p)
-            qkvz, ba = _flat_to_next(cfg, **flat)
-            out[names["qkvz"][0]], out[names["ba"][0]] = np.ascontiguousarray(qkvz), np.ascontiguousarray(ba)
+            for name, keys in (("qkvz", ("qkv", "z")), ("ba", ("b", "a"))):
+                rows = _next_rows(cfg)
+                t = np.empty(names[name][1], np.asarray(gdn["qkv"]).dtype)
+                for key in keys:
+                    t[rows[key]] = np.asarray(gdn[key]).T
+                out[names[name][0]] = t
         else:
-            _export_spec(gdn, _gdn_flat_spec(cfg, p), out)
+            _export_spec(dict(gdn, qkv=_ungroup(cfg, gdn["qkv"])), _gdn_flat_spec(cfg, p), out)
     if "moe" in layer:
         moe = layer["moe"]
         _export_spec(moe, _moe_spec(cfg, p), out)
@@ -540,22 +620,45 @@ def save_params(params: dict[str, Any], directory: str | os.PathLike) -> Path:
     return final
 
 
-def restore_params(directory: str | os.PathLike) -> dict[str, Any]:
-    """Restores params saved by save_params(params, directory) onto the default device, with the
-    saved shapes and dtypes. Raises CheckpointError when <directory>/params does not exist."""
-    import orbax.checkpoint as ocp
-
+def _params_path(directory) -> Path:
     path = Path(directory).absolute() / PARAMS_SUBDIR
     if not path.is_dir() and path.with_name(PARAMS_SUBDIR + ".old").is_dir():
         path = path.with_name(PARAMS_SUBDIR + ".old")  # a save_params interrupted mid-swap
     if not path.is_dir():
         raise CheckpointError(f"no saved params at {str(path)!r} (written by save_params)")
+    return path
+
+
+def saved_shapes(directory: str | os.PathLike) -> dict[str, Any]:
+    """The params tree saved by save_params(params, directory), as leaves with .shape / .dtype."""
+    import orbax.checkpoint as ocp
+
     ckptr = ocp.StandardCheckpointer()
-    meta = ckptr.metadata(path)
+    meta = ckptr.metadata(_params_path(directory))
+    ckptr.close()
     tree = getattr(meta, "item_metadata", meta)  # StepMetadata in newer orbax, the tree in older
-    tree = getattr(tree, "tree", tree)
+    return getattr(tree, "tree", tree)
+
+
+def restore_params(directory: str | os.PathLike, target=None) -> dict[str, Any]:
+    """Restores params saved by save_params(params, directory): into `target` (a tree of
+    ShapeDtypeStruct whose shardings say where each shard goes; None shardings = the default
+    device), or with the saved shapes and dtypes onto the default device. Each process reads only
+    its devices' shards. Raises CheckpointError when <directory>/params does not exist."""
+    import orbax.checkpoint as ocp
+
+    path = _params_path(directory)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    if target is None:
+        target = saved_shapes(directory)
+
+    def placed(m):
+        where = getattr(m, "sharding", None)
+        return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where if isinstance(where, jax.sharding.Sharding)
+                                    else device)
+
+    target = jax.tree_util.tree_map(placed, target)
+    ckptr = ocp.StandardCheckpointer()
     params = ckptr.restore(path, target)
     ckptr.close()
     return params

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput",
-           "plot", "report")
+           "plot", "report", "tp")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -46,9 +46,9 @@ def smoke(tmp_path_factory) -> dict:
     """{script: (json dict, stdout)} of every smoke run, plus the --help outputs."""
     out = tmp_path_factory.mktemp("bench")
     path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step",
-                                                   "demo_drafters", "startup", "throughput")}
+                                                   "demo_drafters", "startup", "throughput", "tp")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    beside = ("kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput")
+    beside = ("kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput", "tp")
     side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in beside}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
@@ -92,6 +92,22 @@ def test_step_times_smoke(smoke):
     assert mem["kv_bytes_per_token"] > 0 and mem["gdn_state_bytes_per_slot"] > 0
     assert all(r["max_batch"] >= 1 for r in mem["rows"])
     assert "verify(t) fit" in smoke["stdout"]["step_times"]
+
+
+def test_tp_smoke(smoke):
+    """One and two of the suite's virtual CPU devices: step times, collectives, profile, end to end."""
+    doc = smoke["json"]["tp"]
+    _common_keys(doc, "tp")
+    one, two = doc["results"]
+    assert (one["tp"], two["tp"]) == (1, 2) and two["weights_bytes_per_device"] < one["weights_bytes_per_device"]
+    for rec in (one, two):
+        assert [b["R"] for b in rec["batches"]] == [1, 2]
+        assert all(i["pipelined_ms"] > 0 and i["floor_per_device_ms"] > 0 for b in rec["batches"] for i in b["items"])
+        assert set(rec["e2e"]) == {"R=1 plain", "R=1 replay a0.8 k3", "R=2 plain", "R=2 replay a0.8 k3"}
+    assert all(c == {} for c in one["collectives"].values()) and one["profile"]["all_reduce_share"] == 0
+    assert all(c["all-reduce"] == 2 * 4 + 1 for c in two["collectives"].values())  # demo-qwen3: 4 layers
+    assert 0 < two["profile"]["all_reduce_share"] < 1
+    assert "vs tp1" in smoke["stdout"]["tp"]
 
 
 def test_e2e_smoke(smoke):

@@ -67,7 +67,7 @@ DAMAGE = {
     "shape mismatch": (lambda d: edit_tensors(d, lambda t: t.update({"model.norm.weight": np.ones(47, np.float32)})),
                        CheckpointError, r"'model.norm.weight' has shape \[47\], expected \[48\]"),
     "truncated safetensors": (lambda d: damage_file(d, lambda b: b[:-100]), CheckpointError,
-                              r"model.safetensors: truncated or corrupt: tensor"),
+                              r"model.safetensors: corrupt or truncated safetensors file .*not fully covered"),
     "corrupt safetensors": (lambda d: damage_file(d, lambda b: b"\xff" * 64), CheckpointError,
                             r"model.safetensors: corrupt or truncated safetensors file"),
     "no safetensors": (lambda d: (d / "model.safetensors").unlink(), CheckpointError, "no safetensors files"),

@@ -144,8 +144,17 @@ def test_values_match_hf_modules(hf_checkpoint, hf_models, kind):
             check_experts(cfg, layer["moe"], hf_layer.mlp)
 
 
+def _grouped(cfg, flat):
+    """[..., q | k | v] channels -> [..., (q_h | k_h | v_h) per key head h], our stored layout."""
+    HK, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    q, k, v = np.split(flat, [HK * dk, 2 * HK * dk], axis=-1)
+    lead = flat.shape[:-1]
+    parts = [t.reshape(*lead, HK, -1) for t in (q, k, v)]
+    return np.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
 def check_gdn_projections(cfg, gdn, hf_gdn, x):
-    """HF's split (grouped reorder for Qwen3-Next) == x @ our flat qkv / z / b / a."""
+    """HF's split (grouped reorder for Qwen3-Next) == x @ our grouped qkv / z / b / a."""
     HV, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     with torch.no_grad():
         if cfg.family == "qwen3_next":
@@ -157,9 +166,10 @@ def check_gdn_projections(cfg, gdn, hf_gdn, x):
             qkv, z, b, a = (m(x).numpy() for m in (hf_gdn.in_proj_qkv, hf_gdn.in_proj_z, hf_gdn.in_proj_b,
                                                     hf_gdn.in_proj_a))
     xn = x.numpy()
-    for key, ref in (("qkv", qkv), ("z", z), ("b", b), ("a", a)):
+    for key, ref in (("qkv", _grouped(cfg, qkv)), ("z", z), ("b", b), ("a", a)):
         np.testing.assert_allclose(xn @ np.asarray(gdn[key]), ref, rtol=1e-5, atol=1e-5, err_msg=key)
-    np.testing.assert_array_equal(np.asarray(gdn["conv"]), hf_gdn.conv1d.weight.detach().numpy()[:, 0, :].T)
+    conv = hf_gdn.conv1d.weight.detach().numpy()[:, 0, :].T  # [K, C]
+    np.testing.assert_array_equal(np.asarray(gdn["conv"]), _grouped(cfg, conv))
     assert z.shape[-1] == HV * dv
 
 

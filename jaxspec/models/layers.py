@@ -1,7 +1,8 @@
 """Building blocks shared by every family: norms, RoPE, MLP, MoE, attention and the GDN mixer.
 
 Pure functions over param dicts (layout in docs/architecture.md). Kernels are reached only through
-`jaxspec.ops`. Shapes: R requests, T tokens per request, H hidden.
+`jaxspec.ops`; under a mesh they run per device on their shard's heads (`sharding.local`), the rest
+is partitioned by GSPMD from the params' shardings. Shapes: R requests, T tokens per request, H hidden.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec import ops
+from jaxspec import ops, sharding
 from jaxspec.config import ModelConfig
 
 F32 = jnp.float32
@@ -161,6 +162,22 @@ def feed_forward(layer, cfg: ModelConfig, x):
     return out.reshape(x.shape)
 
 
+def _cache_heads(x, cfg: ModelConfig):
+    """k or v [R, T, nKV, D] -> the cache's heads: each kv head repeated when a mesh has more
+    devices than kv heads, so device d holds the kv head of its q heads (sharding.kv_cache_heads)."""
+    n = sharding.kv_cache_heads(cfg)
+    return x if n == cfg.num_key_value_heads else jnp.repeat(x, n // cfg.num_key_value_heads, axis=2)
+
+
+def split_qkv(mixed, cfg: ModelConfig):
+    """GDN channels grouped per key head h, [q_h (dk) | k_h (dk) | v_h (r*dv)] (docs/architecture.md)
+    -> q, k [..., HK, dk], v [..., HV, dv]; value head j = h*r + i belongs to key head h."""
+    HK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    lead = mixed.shape[:-1]
+    g = mixed.reshape(*lead, HK, mixed.shape[-1] // HK)
+    return g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:].reshape(*lead, cfg.linear_num_value_heads, dv)
+
+
 def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
     """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages)."""
     R, T, _ = x.shape
@@ -179,9 +196,14 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
     positions = batch.start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T]
     q = rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
     k = rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
-    k_pages, v_pages = ops.write_kv(kv[0], kv[1], k, v, batch.block_tables, batch.start_pos, batch.num_valid)
-    o = ops.paged_attention(q, k_pages, v_pages, batch.block_tables, batch.start_pos, batch.num_valid,
-                            scale=D ** -0.5, kernels=kernels)
+    k, v = _cache_heads(k, cfg), _cache_heads(v, cfg)
+    heads, kv_heads, kv_axes = (None, None, "heads", None), (None, None, "cache_heads", None), sharding.KV_AXES
+    write = sharding.local(ops.write_kv, cfg, (kv_axes, kv_axes, kv_heads, kv_heads, None, None, None),
+                           [kv_axes, kv_axes])
+    k_pages, v_pages = write(kv[0], kv[1], k, v, batch.block_tables, batch.start_pos, batch.num_valid)
+    attend = sharding.local(functools.partial(ops.paged_attention, scale=D ** -0.5, kernels=kernels), cfg,
+                            (heads, kv_axes, kv_axes, None, None, None), heads)
+    o = attend(q, k_pages, v_pages, batch.block_tables, batch.start_pos, batch.num_valid)
     o = o.reshape(R, T, nH * D)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
@@ -193,28 +215,34 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
     conv [N, (K-1)+k_max, conv_dim]. mode "verify" snapshots the state after every token,
     "prefill" runs the chunked form and keeps only the final state."""
     R, T, _ = x.shape
-    HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = x @ p["qkv"]  # [R, T, conv_dim], channels [q | k | v]
+    HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = x @ p["qkv"]  # [R, T, conv_dim], channels grouped per key head (split_qkv)
     z = (x @ p["z"]).reshape(R, T, HV, dv)
     b = x @ p["b"]  # [R, T, HV]
     a = x @ p["a"]
     has_state = batch.start_pos > 0
-    mixed, conv = ops.conv_update(mixed, conv, p["conv"], batch.conv_read, batch.conv_offset, batch.conv_write,
-                                  has_state, batch.num_valid, mode=mode, kernels=kernels)
-    q, k, v = jnp.split(mixed, [HK * dk, 2 * HK * dk], axis=-1)
-    q = ops.l2norm(q.reshape(R, T, HK, dk).astype(F32)) * dk ** -0.5
-    k = ops.l2norm(k.reshape(R, T, HK, dk).astype(F32))
-    v = v.reshape(R, T, HV, dv)
+    channels, heads4, heads3 = (None, None, "gdn_heads"), (None, None, "gdn_heads", None), (None, None, "gdn_heads")
+    conv_update = sharding.local(functools.partial(ops.conv_update, mode=mode, kernels=kernels), cfg,
+                                 (channels, sharding.CONV_AXES, (None, "gdn_heads")) + (None,) * 5,
+                                 [channels, sharding.CONV_AXES])
+    mixed, conv = conv_update(mixed, conv, p["conv"], batch.conv_read, batch.conv_offset, batch.conv_write,
+                              has_state, batch.num_valid)
+    q, k, v = split_qkv(mixed, cfg)
+    q = ops.l2norm(q.astype(F32)) * dk ** -0.5
+    k = ops.l2norm(k.astype(F32))
     beta = jax.nn.sigmoid(b).astype(F32)
     g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"].astype(F32))
     read = batch.state_read
+    step_axes = (heads4, heads4, heads4, heads3, heads3, sharding.SSM_AXES, None, None, None, None)
     if mode == "verify":
         steps = jnp.arange(T, dtype=jnp.int32)[None, :]
         write = jnp.where(batch.state_write[:, None] > 0, batch.state_write[:, None] + steps, 0)  # [R, T]
-        o, ssm = ops.gdn_verify(q, k, v, g, beta, ssm, read, write, has_state, batch.num_valid, kernels=kernels)
+        run = sharding.local(functools.partial(ops.gdn_verify, kernels=kernels), cfg, step_axes,
+                             [heads4, sharding.SSM_AXES])
+        o, ssm = run(q, k, v, g, beta, ssm, read, write, has_state, batch.num_valid)
     else:
-        o, ssm = ops.gdn_prefill(q, k, v, g, beta, ssm, read, batch.state_write, has_state, batch.num_valid,
-                                 kernels=kernels)
+        run = sharding.local(functools.partial(ops.gdn_prefill, kernels=kernels), cfg, step_axes,
+                             [heads4, sharding.SSM_AXES])
+        o, ssm = run(q, k, v, g, beta, ssm, read, batch.state_write, has_state, batch.num_valid)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(R, T, HV * dv)
     return o @ p["out"], ssm, conv

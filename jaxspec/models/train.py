@@ -115,17 +115,16 @@ def causal_attention(p, cfg: ModelConfig, x, positions):
 def gated_delta_net(p, cfg: ModelConfig, x):
     """Gated DeltaNet mixer, whole sequence, zero start state (docs/model_math.md#gated-deltanet). x [B, T, H]."""
     B, T, _ = x.shape
-    HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    mixed = x @ p["qkv"]  # [B, T, conv_dim], channels [q | k | v]
+    HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    K = cfg.linear_conv_kernel_dim
+    mixed = x @ p["qkv"]  # [B, T, conv_dim], channels grouped per key head (layers.split_qkv)
     z = (x @ p["z"]).reshape(B, T, HV, dv)
     b = x @ p["b"]  # [B, T, HV]
     a = x @ p["a"]
     mixed, _ = causal_conv1d(mixed, p["conv"], jnp.zeros((B, K - 1, mixed.shape[-1]), mixed.dtype))
-    q, k, v = jnp.split(mixed, [HK * dk, 2 * HK * dk], axis=-1)
-    q = l2norm(q.reshape(B, T, HK, dk)) * dk ** -0.5
-    k = l2norm(k.reshape(B, T, HK, dk))
-    v = v.reshape(B, T, HV, dv)
+    q, k, v = layers.split_qkv(mixed, cfg)
+    q = l2norm(q) * dk ** -0.5
+    k = l2norm(k)
     beta = jax.nn.sigmoid(b).astype(F32)
     g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"].astype(F32))
     o = chunk_gated_delta(q, k, v, g, beta)  # [B, T, HV, dv] f32

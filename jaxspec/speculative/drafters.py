@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling
+from jaxspec import sampling, sharding
 from jaxspec.config import EngineConfig, ModelConfig
 from jaxspec.engine import state_indices
 from jaxspec.models.model import StepBatch, forward
@@ -57,7 +57,8 @@ def set_slot(dstate: dict, slot, values: dict) -> dict:
 def admit_values(dstate: dict, slot: int, values: dict) -> dict:
     """Host side of set_slot: only transfers and one cached executable, no eager device ops."""
     host = {name: np.asarray(v, dtype=np.int32) for name, v in values.items()}
-    return set_slot(dstate, jax.device_put(np.int32(slot)), jax.device_put(host))
+    mesh = sharding.mesh_of(dstate)
+    return set_slot(dstate, sharding.put(np.int32(slot), mesh), sharding.put(host, mesh))
 
 
 def zeros_state(shapes: dict) -> dict:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import layers
 from jaxspec.models.model import StepBatch, logits_from_hidden
@@ -46,7 +47,9 @@ def draft_params(params: dict) -> dict:
 
 
 def kv_shapes(cfg: ModelConfig, total_pages: int, page_size: int, num_layers: int, dtype) -> list:
-    kv = jax.ShapeDtypeStruct((total_pages, page_size, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    """The MTP KV pools, shaped and sharded like the target's (cache.cache_shapes)."""
+    kv = jax.ShapeDtypeStruct((total_pages, page_size, sharding.kv_cache_heads(cfg), cfg.head_dim), dtype,
+                              sharding=sharding.named(cfg, sharding.KV_AXES))
     return [(kv, kv) for _ in range(num_layers)]
 
 
@@ -150,14 +153,16 @@ def admit_executable(drafter):
 
 
 def init_state(drafter: MtpDrafter, ecfg, dtype) -> dict:
-    """Zero MTP KV pools (the target engine's page count) and drafts, as host allocations + transfers."""
+    """Zero MTP KV pools (the target engine's page count, sharded like its KV) and drafts, as host
+    allocations + transfers."""
     shapes = kv_shapes(drafter.cfg, ecfg.total_pages, ecfg.page_size, drafter.num_layers, dtype)
-    return jax.device_put({"kv": [tuple(np.zeros(s.shape, s.dtype) for s in pair) for pair in shapes],
-                           "drafts": np.zeros((ecfg.max_num_seqs + 1, drafter.k), np.int32)})
+    kv = [tuple(jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for s in pair) for pair in shapes]
+    drafts = sharding.put(np.zeros((ecfg.max_num_seqs + 1, drafter.k), np.int32), drafter.cfg.mesh)
+    return {"kv": kv, "drafts": drafts}
 
 
 def state_bytes(drafter: MtpDrafter, ecfg, dtype) -> int:
-    """Bytes of init_state(drafter, ecfg, dtype)."""
+    """Bytes of init_state(drafter, ecfg, dtype) on one device."""
     shapes = kv_shapes(drafter.cfg, ecfg.total_pages, ecfg.page_size, drafter.num_layers, dtype)
-    kv = sum(2 * int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a, _ in shapes)
+    kv = sum(2 * sharding.shard_bytes(a) for a, _ in shapes)
     return kv + (ecfg.max_num_seqs + 1) * drafter.k * 4

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import sharding
 from jaxspec.config import EngineConfig
 from jaxspec.speculative import dflash, eagle3, mtp
 from jaxspec.speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter, set_slot
@@ -127,7 +128,7 @@ class _SlotStateSession(Session):
         drafter = cls.make_drafter(model, ecfg, bucket.k)
         dstate = jax.eval_shape(lambda: drafter.init_state(ecfg.max_num_seqs + 1))
         values = {name: _shape(x.shape[1:], jnp.int32) for name, x in dstate.items()}
-        return set_slot.lower(dstate, _shape((), jnp.int32), values)
+        return set_slot.lower(*sharding.abstract((dstate, _shape((), jnp.int32), values), model.config.mesh))
 
 
 class NgramSession(_SlotStateSession):
@@ -139,7 +140,7 @@ class NgramSession(_SlotStateSession):
 
     @classmethod
     def create(cls, model, engine, drafter, spec):
-        return cls(drafter, dstate=drafter.init_state(engine.ecfg.max_num_seqs + 1))
+        return cls(drafter, dstate=sharding.put(drafter.init_state(engine.ecfg.max_num_seqs + 1), model.config.mesh))
 
     def admit(self, req) -> None:
         self.dstate = self.drafter.admit(self.dstate, req.slot, req.prompt + req.generated)
@@ -164,9 +165,10 @@ class ReplaySession(_SlotStateSession):
 
     @classmethod
     def create(cls, model, engine, drafter, spec):
-        dparams = {"alpha": jnp.float32(spec.replay_alpha), "seed": jnp.uint32(spec.replay_seed)}
-        return cls(drafter, dparams=dparams, dstate=drafter.init_state(engine.ecfg.max_num_seqs + 1),
-                   extra={"replay": spec.replay_tokens})
+        mesh = model.config.mesh
+        dparams = sharding.put({"alpha": np.float32(spec.replay_alpha), "seed": np.uint32(spec.replay_seed)}, mesh)
+        dstate = sharding.put(drafter.init_state(engine.ecfg.max_num_seqs + 1), mesh)
+        return cls(drafter, dparams=dparams, dstate=dstate, extra={"replay": spec.replay_tokens})
 
     def admit(self, req) -> None:
         self.dstate = self.drafter.admit(self.dstate, req.slot, list(self.extra["replay"][req.index]),
@@ -190,6 +192,10 @@ class DraftModelSession(Session):
         draft = spec.draft_model
         if not hasattr(draft, "config") or not hasattr(draft, "params"):
             raise ValueError(f"draft_model={draft!r} is not a jaxspec Model (load it with jaxspec.load)")
+        if draft.config.mesh != model.config.mesh:
+            raise ValueError(f"the draft model is loaded with tensor_parallel_size={sharding.tp_size(draft.config)}, "
+                             f"the target with {sharding.tp_size(model.config)}; load both on the same devices "
+                             f"(the same tensor_parallel_size)")
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
                              f"vocab_size={model.config.vocab_size}; draft and target must share a vocabulary")
@@ -320,10 +326,10 @@ class MtpSession(Session):
         width = model.config.hidden_size * max(len(getattr(drafter, "taps", ())), 1)
         hidden = _shape((1, C, width), model.dtype)  # the prefill's final hidden states, or its taps
         dparams, dstate, _ = cls.abstract(model, ecfg, drafter, draft_model)
-        return mtp.admit_executable(drafter).lower(
-            dparams, dstate, hidden,
-            next_tokens=_shape((1, C), i32), start=_shape((1,), i32), n=_shape((1,), i32),
-            tables=_shape((1, ecfg.pages_per_seq), i32), slot=_shape((1,), i32))
+        kwargs = dict(next_tokens=_shape((1, C), i32), start=_shape((1,), i32), n=_shape((1,), i32),
+                      tables=_shape((1, ecfg.pages_per_seq), i32), slot=_shape((1,), i32))
+        args, kwargs = sharding.abstract(((dparams, dstate, hidden), kwargs), model.config.mesh)
+        return mtp.admit_executable(drafter).lower(*args, **kwargs)
 
     @property
     def lookahead(self) -> int:
@@ -347,7 +353,7 @@ class MtpSession(Session):
             host = dict(next_tokens=tokens, start=np.full((1,), start, np.int32),
                         n=np.full((1,), len(next_tokens), np.int32), tables=target.block_tables[req.slot][None],
                         slot=np.full((1,), req.slot, np.int32))
-            self.dstate = run(self.dparams, self.dstate, hidden, **jax.device_put(host))
+            self.dstate = run(self.dparams, self.dstate, hidden, **sharding.put(host, self.drafter.cfg.mesh))
         return on_hidden
 
 
