@@ -91,6 +91,31 @@ def test_speculative_greedy_equals_plain_under_tp(method, kind, models):
     assert accepted[2] == accepted[1] > 0
 
 
+def test_tap_drafters_under_tp_equal_one_device(hf_checkpoint, tmp_path):
+    """EAGLE-3 and DFlash heads (replicated) read the taps of a sharded target: lossless, with the
+    drafts and acceptance of one device (a 4-token vocabulary so random heads get drafts accepted)."""
+    from tests.speculative.tap_checkpoints import write_dflash, write_eagle3
+
+    path = hf_checkpoint("qwen3_5", vocab_size=4)
+    accepted = {}
+    for tp in (1, 2):
+        target = load(path, tp)
+        target.config = target.config.replace(eos_token_ids=())
+        H = target.config.hidden_size
+        heads = {"eagle3": write_eagle3(tmp_path / f"e{tp}", hidden=H, vocab=4, draft_vocab=3),
+                 "dflash": write_dflash(tmp_path / f"d{tp}", hidden=H, vocab=4, target_layer_ids=(0, 2),
+                                        mask_token_id=3, block_size=4)}
+        prompts = [[p % 4 for p in prompt] for prompt in PROMPTS]
+        plain = jaxspec.generate(target, prompts, max_new_tokens=NEW).token_ids
+        for method, head in heads.items():
+            out = jaxspec.generate(target, prompts, max_new_tokens=NEW,
+                                   speculative=jaxspec.SpeculativeConfig(method, 3, draft_model=str(head)))
+            assert out.token_ids == plain, f"{method}, tensor_parallel_size={tp}"
+            accepted[method, tp] = out.stats.accepted
+    for method in ("eagle3", "dflash"):
+        assert accepted[method, 2] == accepted[method, 1] > 0, accepted
+
+
 def shard_shape(x):
     return x.addressable_shards[0].data.shape
 

@@ -133,7 +133,7 @@ def _draft_to_target(src: _Source, Vd: int, V: int, path: Path) -> np.ndarray:
         if Vd != V:
             raise CheckpointError(f"{path}: draft_vocab_size={Vd} < vocab_size={V} but the checkpoint has no d2t map")
         return np.zeros((Vd,), np.int32)
-    d2t = np.asarray(_take(src, "d2t", (Vd,))).astype(np.int64)
+    d2t = _take(src, "d2t", (Vd,)).full().astype(np.int64)
     ids = np.arange(Vd) + d2t
     if ids.min() < 0 or ids.max() >= V:
         raise CheckpointError(f"{path}: d2t maps draft ids to target ids {int(ids.min())}..{int(ids.max())}, "

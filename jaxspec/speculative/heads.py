@@ -125,7 +125,7 @@ def load_spec(src: _Source, spec: dict) -> dict:
     """Host params from {path: (HF name, HF shape)}: 2-d weights are HF [out, in], stored [in, out]."""
     out: dict = {}
     for path, (name, shape) in spec.items():
-        t = np.asarray(_take(src, name, shape))
+        t = _take(src, name, shape).full()
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
