@@ -388,7 +388,7 @@ def precompile(model, table: list[Bucket], *, draft_model=None, progress: bool =
     miss and executable memory. Raises on the first failure."""
     import time
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     reports = []
     for bucket in tqdm(table, desc="precompile", disable=not progress, unit="exe"):

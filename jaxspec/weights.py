@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from jaxspec.config import FULL, ModelConfig
 

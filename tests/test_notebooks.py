@@ -40,6 +40,8 @@ def test_notebook_is_committed_executed_and_only_calls_jaxspec(path):
     assert any(cell.outputs for cell in cells), f"{path.name}: no outputs"
     errors = [out for cell in cells for out in cell.outputs if out.output_type == "error"]
     assert not errors, f"{path.name}: committed with an error output"
+    text = nbformat.writes(notebook)
+    assert "site-packages" not in text and str(REPO) not in text, f"{path.name}: an output names a local path"
     for source in code_cells(notebook):
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Import):
