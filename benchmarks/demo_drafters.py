@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The trained demo pair's drafters on held-out standard-library prompts (issue 9): tau, acceptance by
 draft position and tokens/s of draft_model, ngram and mtp (the target's own MTP head) at k in
-{2, 4, 8}, against plain greedy, on whatever backend runs the script (CPU or GPU).
+{2, 4, 8}, and with dynamic k up to the largest of them (drafters that support it), against plain
+greedy, on whatever backend runs the script (CPU or GPU).
 
 Prompts: the first --prompt-len tokens of held-out standard-library files (the split
 tools/train_demo.py never trains on: sha256(relative path) % 20 == 0), in path order. Every
@@ -22,6 +23,7 @@ import statistics  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
+from jaxspec.speculative.config import DYNAMIC_K_METHODS  # noqa: E402
 
 SMOKE = dict(num_prompts=2, prompt_len=24, new_tokens=8, ks="2", repeats=1)
 METHODS = ("draft_model", "ngram", "mtp")
@@ -35,6 +37,8 @@ def parse(argv=None):
     p.add_argument("--ks", default="2,4,8", help="draft lengths")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (max_num_seqs)")
+    p.add_argument("--no-dynamic-k", dest="dynamic_k", action="store_false",
+                   help="skip the dynamic-k rows (largest k = max of --ks; methods that support it)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.set_defaults(repeats=3)
@@ -100,30 +104,46 @@ def main(argv=None) -> int:
     res.add({"method": "plain", "k": 0, **{k: v for k, v in plain.items() if k != "token_ids"}})
     log(f"plain: {plain['tokens_per_s']:.1f} tok/s")
     for method in args.methods.split(","):
-        for k in ks:
+        dynamic = [True] if args.dynamic_k and method in DYNAMIC_K_METHODS and max(ks) > 1 else []
+        for k, dyn in [(k, False) for k in ks] + [(max(ks), d) for d in dynamic]:
+            name = f"{method} k={k}{' dynamic' if dyn else ''}"
             if not budget.allows():
-                res.skip(f"{method} k={k}", "budget spent")
+                res.skip(name, "budget spent")
                 continue
-            spec = jaxspec.SpeculativeConfig(method, k, draft_model=draft if method == "draft_model" else None)
+            spec = jaxspec.SpeculativeConfig(method, k, draft_model=draft if method == "draft_model" else None,
+                                             dynamic_k=dyn)
             try:
                 out = run_config(target, prompts, args, spec)
             except Exception as e:
-                res.error(f"{method} k={k}", e)
+                res.error(name, e)
                 continue
-            item = {"method": method, "k": k, **{key: v for key, v in out.items() if key != "token_ids"},
+            item = {"method": method, "k": k, "dynamic_k": dyn,
+                    **{key: v for key, v in out.items() if key != "token_ids"},
                     "speedup": out["tokens_per_s"] / plain["tokens_per_s"],
                     "greedy_equal": out["token_ids"] == plain["token_ids"]}
             res.add(item)
-            log(f"{method} k={k}: tau {item['tau']:.2f}, {item['tokens_per_s']:.1f} tok/s, "
-                f"speedup {item['speedup']:.2f}, equal to plain: {item['greedy_equal']}")
+            log(f"{name}: tau {item['tau']:.2f}, {item['tokens_per_s']:.1f} tok/s, "
+                f"speedup {item['speedup']:.2f}, equal to plain: {item['greedy_equal']}, "
+                f"rounds by k {out['stats']['k_histogram']}")
     res.finish()
     print_tables(res)
     return 0 if all(r.get("greedy_equal", True) for r in res.data["results"]) else 1
 
 
+def _k_label(r) -> str:
+    """k, or for dynamic k its largest k and the mean k the rounds ran."""
+    if not r["k"]:
+        return "-"
+    if not r.get("dynamic_k"):
+        return str(r["k"])
+    hist = r["stats"]["k_histogram"]
+    mean = sum(k * c for k, c in enumerate(hist)) / max(sum(hist), 1)
+    return f"dyn<={r['k']} (mean {mean:.1f})"
+
+
 def print_tables(res) -> None:
     d = res.data
-    rows = [[r["method"], r["k"] or "-", fmt(r["tau"]), fmt(r["acceptance"]),
+    rows = [[r["method"], _k_label(r), fmt(r["tau"]), fmt(r["acceptance"]),
              " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-", fmt(r["tokens_per_s"], 1),
              fmt(r.get("speedup", 1.0)), {True: "yes", False: "NO"}.get(r.get("greedy_equal"), "-")]
             for r in d["results"]]

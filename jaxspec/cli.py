@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--speculative", choices=METHODS, default=None, help="speculative decoding method")
     gen.add_argument("--k", type=_positive("k"), default=3, help="draft tokens per round (with --speculative)")
+    gen.add_argument("--dynamic-k", action="store_true",
+                     help="--k is the largest k; each round runs the k bucket (powers of two below it, and it) "
+                          "with the most expected tokens per unit of cost, from recent acceptance")
     gen.add_argument("--draft-model", default=None,
                      help="draft model path or demo name (--speculative draft_model), or the EAGLE-3 / DFlash "
                           "checkpoint directory or demo name (--speculative eagle3 / dflash)")
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--method", choices=METHODS, action="append", default=[],
                      help="drafter to compile for (repeatable; default ngram)")
     pre.add_argument("--draft-model", default=None, help="draft model for --method draft_model, eagle3 or dflash")
+    pre.add_argument("--dynamic-k", action="store_true",
+                     help="each --k is the largest k of --dynamic-k generation: also compile its smaller k buckets")
     info = sub.add_parser("info", help="print a model's config, size, memory plan and bucket table")
     _add_model_flags(info)
     info.add_argument("--k", type=_positive("k"), action="append", default=[], help="speculative k (repeatable)")
@@ -111,19 +116,23 @@ def _speculative(args, model, prompts):
     import jaxspec
 
     if args.speculative is None:
+        if args.dynamic_k:
+            raise ValueError("--dynamic-k needs --speculative METHOD")
         return None
+    dyn = dict(dynamic_k=args.dynamic_k)
     if args.speculative == "draft_model":
         if not args.draft_model:
             raise ValueError("--speculative draft_model needs --draft-model PATH")
-        return jaxspec.SpeculativeConfig("draft_model", args.k, draft_model=_load(args, args.draft_model, (args.k,)))
+        return jaxspec.SpeculativeConfig("draft_model", args.k, draft_model=_load(args, args.draft_model, (args.k,)),
+                                         **dyn)
     if args.speculative == "replay":  # reference = the target's own greedy continuation
         ref = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens + args.k + 1).token_ids
-        return jaxspec.SpeculativeConfig("replay", args.k, replay_tokens=ref, replay_alpha=args.replay_alpha)
+        return jaxspec.SpeculativeConfig("replay", args.k, replay_tokens=ref, replay_alpha=args.replay_alpha, **dyn)
     if args.speculative in TAP_METHODS:
         if not args.draft_model:
             raise ValueError(f"--speculative {args.speculative} needs --draft-model PATH (or demo-{args.speculative})")
-        return jaxspec.SpeculativeConfig(args.speculative, args.k, draft_model=args.draft_model)
-    return jaxspec.SpeculativeConfig(args.speculative, args.k)  # ngram, mtp
+        return jaxspec.SpeculativeConfig(args.speculative, args.k, draft_model=args.draft_model, **dyn)
+    return jaxspec.SpeculativeConfig(args.speculative, args.k, **dyn)  # ngram, mtp
 
 
 def _cmd_generate(args) -> int:
@@ -197,7 +206,8 @@ def _cmd_precompile(args) -> int:
         from jaxspec.speculative.config import SpeculativeConfig
 
         draft = SpeculativeConfig(needs[0], 1, draft_model=args.draft_model).draft_model
-    table = jc.bucket_table(model, k_values=args.k, methods=methods if args.k else (), draft_model=draft)
+    table = jc.bucket_table(model, k_values=args.k, methods=methods if args.k else (), draft_model=draft,
+                            dynamic_k=args.dynamic_k)
     print("bucket table:\n" + jc.print_table(table))
     print("memory plan:\n" + "\n".join(_memory_lines(model, args.k)))
     jc.check_table_memory(model, table, draft)

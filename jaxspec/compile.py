@@ -18,6 +18,7 @@ from pathlib import Path
 import jax.monitoring as monitoring
 
 from jaxspec import sharding
+from jaxspec.speculative.dynamic import k_buckets
 from jaxspec.speculative.session import SESSIONS
 
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -195,12 +196,14 @@ def draft_for(draft_model, method: str | None):
     return draft_model.get(method) if isinstance(draft_model, dict) else draft_model
 
 
-def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sampling=SAMPLING_MODES) -> list[Bucket]:
+def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sampling=SAMPLING_MODES,
+                 dynamic_k: bool = False) -> list[Bucket]:
     """The exact set of executables generate uses for these settings: plain prefill + decode per
     request bucket, and for each speculative k (per_k) or the padded maximum (pad_to_max) one
     verify round per method and request bucket, plus the drafters' admission executables. Rounds
     come in each of the `sampling` modes ("greedy": every row greedy; "sample": any row sampled).
-    draft_model: see draft_for."""
+    dynamic_k: each k is also the largest k of a dynamic-k call, which adds the rounds of its
+    smaller k buckets on k's engine. draft_model: see draft_for."""
     buckets = model.engine_config(0).request_buckets
     chunk, steps = model.prefill_chunk, model.rounds_per_dispatch
     k_values = tuple(sorted(set(k_values)))
@@ -231,12 +234,15 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
         for r in buckets:
             add(Bucket("decode", r, 1 + pad, engine_k(pad), sampling=mode, steps=steps))
     run_ks = k_values if model.k_mode == "per_k" else ((model.max_num_speculative_tokens,) if k_values else ())
+    if dynamic_k:
+        _check_dynamic_table(model, methods)
     for k in run_ks:
         extra = []
         for method in methods:
-            for mode in sampling:
-                for r in buckets:
-                    extra.append(Bucket(f"verify[{method}]", r, 1 + k, engine_k(k), k, method, mode, steps))
+            for kr in k_buckets(k) if dynamic_k else (k,):
+                for mode in sampling:
+                    for r in buckets:
+                        extra.append(Bucket(f"verify[{method}]", r, 1 + kr, engine_k(k), kr, method, mode, steps))
             for fields in SESSIONS[method].admission_buckets(model, k, engine_k(k), chunk,
                                                              draft_for(draft_model, method)):
                 fields = {"k": k, "method": method, **fields}
@@ -247,6 +253,17 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
         for entry in extra:
             add(entry)
     return table
+
+
+def _check_dynamic_table(model, methods) -> None:
+    from jaxspec.speculative.config import DYNAMIC_K_METHODS
+
+    if model.k_mode != "per_k":
+        raise ValueError(f"dynamic_k=True chooses among per-k executables; k_mode={model.k_mode!r} runs every k "
+                         f"with the k_max one; use k_mode='per_k'")
+    bad = [m for m in methods if m not in DYNAMIC_K_METHODS]
+    if bad:
+        raise ValueError(f"dynamic_k=True does not support method={bad[0]!r}; valid: {', '.join(DYNAMIC_K_METHODS)}")
 
 
 def format_table(rows: list[list[str]], header: list[str]) -> str:

@@ -33,6 +33,7 @@ class GenerateStats:
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     emitted_histogram: list[int] = field(default_factory=list)  # [k+2]: verify rows by tokens emitted (1..1+k)
+    k_histogram: list[int] = field(default_factory=list)  # [k+1]: rounds by the k they ran (dynamic_k varies it)
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,6 +60,8 @@ class GenerateStats:
         if self.verify_steps:
             line += (f"; drafted {self.drafted}, accepted {self.accepted} "
                      f"({100 * self.acceptance_rate:.1f}%), tau {self.tau:.2f}")
+        if sum(c > 0 for c in self.k_histogram) > 1:
+            line += ", rounds by k " + " ".join(f"{k}:{c}" for k, c in enumerate(self.k_histogram) if c)
         return line
 
 

@@ -21,6 +21,7 @@ the queue to be re-admitted by prefilling its prompt plus those tokens. Randomne
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,8 +31,9 @@ import numpy as np
 from jaxspec import sharding
 from jaxspec.cache import MemoryBudgetError
 from jaxspec.engine import _device_int32
+from jaxspec.speculative.dynamic import KChooser, fitted_costs, linear_costs
 from jaxspec.speculative.round import round_executable
-from jaxspec.speculative.session import make_session
+from jaxspec.speculative.session import SESSIONS, make_session
 
 
 @dataclass
@@ -100,6 +102,8 @@ def run(model, requests: list[Request], spec, stats):
     check_pool(engine, requests)  # before anything runs: a request that can never fit is refused
     session = make_session(model, engine, spec, requests, k_run)
     loop = Loop(model, engine, session, k_run, k, stats)
+    if spec is not None and spec.dynamic_k:
+        loop.kchoice = KChoice(model, engine, spec, loop)
     with loop.releasing():
         yield from loop.events(requests)
 
@@ -128,6 +132,7 @@ class Loop:
         self.pending: deque[Request] = deque()
         self.inflight: deque[Dispatch] = deque()
         self._num_drafts = sharding.put(np.int32(k), model.config.mesh)
+        self.kchoice: KChoice | None = None  # dynamic k: picks each dispatch's drafter
 
     # ---- the loop ----------------------------------------------------------------------------
     def events(self, requests: list[Request]):
@@ -184,7 +189,7 @@ class Loop:
 
     def dispatch(self, running: list[Request]) -> None:
         """Enqueue `steps` rounds for the running requests without waiting for anything."""
-        eng, S = self.engine, self.steps
+        eng = self.engine
         running = self.reserve(running)
         if not running:
             return
@@ -192,13 +197,24 @@ class Loop:
         R = eng.ecfg.request_bucket(len(running))
         rows = _device_int32(tuple(r.slot for r in running) + (0,) * (R - len(running)), self.engine.mesh)
         greedy = all(r.temperature <= 0 for r in running)
-        run = round_executable(self.model.config, eng.ecfg, self.session.drafter, eng.kernels, greedy, S)
-        s = self.session
-        emitted, num_emitted, eng.caches, eng.state, s.dstate = run(
-            self.model.params, eng.caches, eng.state, s.dparams, s.dstate, rows, self._num_drafts, s.aux_tables())
-        s.sync()
+        drafter, num_drafts = self.session.drafter, self._num_drafts
+        if self.kchoice:
+            drafter, num_drafts = self.kchoice.pick(R, greedy)
+        emitted, num_emitted = self.call(self.executable(drafter, greedy), rows, num_drafts)
         jax.copy_to_host_async((emitted, num_emitted))  # lands while the next dispatch runs
         self.inflight.append(Dispatch(list(running), [r.epoch for r in running], emitted, num_emitted))
+
+    def executable(self, drafter, greedy: bool):
+        eng = self.engine
+        return round_executable(self.model.config, eng.ecfg, drafter, eng.kernels, greedy, self.steps)
+
+    def call(self, run, rows, num_drafts):
+        """One dispatch of `run` for rows [R]; the caches and states it donates are taken back."""
+        eng, s = self.engine, self.session
+        emitted, num_emitted, eng.caches, eng.state, s.dstate = run(
+            self.model.params, eng.caches, eng.state, s.dparams, s.dstate, rows, num_drafts, s.aux_tables())
+        s.sync()
+        return emitted, num_emitted
 
     def reserve(self, running: list[Request]) -> list[Request]:
         """Pages for every position the dispatches in flight and this one may write (each round
@@ -236,24 +252,29 @@ class Loop:
             live = [i for i, r in enumerate(d.requests) if not r.finish_reason and r.epoch == d.epochs[i]]
             if not live:
                 break
-            self.record(num_emitted[s, live])
+            self.record(num_emitted[s, live], emitted.shape[2] - 1)
             for i in live:
                 req = d.requests[i]
                 yield req.index, req.extend(emitted[s, i, :num_emitted[s, i]].tolist())
 
-    def record(self, num_emitted: np.ndarray) -> None:
-        """Step and acceptance counters of one round's live rows (num_emitted [n] in 1..1+k)."""
+    def record(self, num_emitted: np.ndarray, k_run: int) -> None:
+        """Step and acceptance counters of one round's live rows (num_emitted [n] in 1..1+k) run
+        with k_run draft columns (k verified: k_run, or the call's k under pad_to_max)."""
         st = self.stats
         st.steps += 1
         if not self.k:
             return
-        k = self.k
+        k = k_run if self.kchoice else self.k
+        if self.kchoice:
+            self.kchoice.chooser.observe(k, num_emitted)
         st.verify_steps += len(num_emitted)
         st.drafted += k * len(num_emitted)
         st.accepted += int(np.sum(num_emitted - 1))
         if not st.drafted_by_position:
-            st.drafted_by_position, st.accepted_by_position = [0] * k, [0] * k
-            st.emitted_histogram = [0] * (k + 2)  # index = tokens emitted by a row, 1..1+k
+            st.drafted_by_position, st.accepted_by_position = [0] * self.k, [0] * self.k
+            st.emitted_histogram = [0] * (self.k + 2)  # index = tokens emitted by a row, 1..1+k
+            st.k_histogram = [0] * (self.k + 1)  # index = the round's k
+        st.k_histogram[k] += 1
         for n in num_emitted:
             st.emitted_histogram[n] += 1
         for i in range(k):
@@ -282,3 +303,48 @@ class Loop:
                 self._release(req)
             self.active.clear()
             self.inflight.clear()
+
+
+# ---- dynamic k ---------------------------------------------------------------------------------
+_measured: dict = {}  # (round executable, R) -> seconds of one dispatch, measured once per process
+
+
+class KChoice:
+    """Dynamic k (speculative/dynamic.py): a drafter per k bucket, all sharing the session's state
+    (sized by the engine's k_max), and the choice among them per dispatch."""
+
+    def __init__(self, model, engine, spec, loop: Loop):
+        self.loop, self.spec = loop, spec
+        self.chooser = KChooser(spec.k_buckets)
+        lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.drafters = {k: SESSIONS[spec.method].make_drafter(model, engine.ecfg, k, prompt_lookup=lookup,
+                                                               draft_model=spec.draft_model) for k in spec.k_buckets}
+        self.num_drafts = {k: sharding.put(np.int32(k), model.config.mesh) for k in spec.k_buckets}
+
+    def pick(self, R: int, greedy: bool):
+        """(drafter, num_drafts) of the bucket with the most expected tokens per unit of cost."""
+        k = self.chooser.choose(self.costs(R, greedy))
+        return self.drafters[k], self.num_drafts[k]
+
+    def costs(self, R: int, greedy: bool) -> np.ndarray:
+        """Each bucket's round cost: the linear model of dynamic_k_cost, or measured dispatch times."""
+        ks = self.chooser.ks
+        if self.spec.dynamic_k_cost is not None:
+            return linear_costs(ks, self.spec.dynamic_k_cost)
+        runs = [self.loop.executable(self.drafters[k], greedy) for k in ks]
+        missing = [(run, k) for run, k in zip(runs, ks, strict=True) if (run, R) not in _measured]
+        if missing:
+            jax.block_until_ready(self.loop.engine.state)  # time the buckets alone, once per process
+            rows = _device_int32((0,) * R, self.loop.engine.mesh)  # padding rows: full shapes, null slot only
+            for run, k in missing:
+                _measured[run, R] = self.time(run, rows, self.num_drafts[k])
+        return fitted_costs(ks, [_measured[run, R] for run in runs])
+
+    def time(self, run, rows, num_drafts, repeats: int = 3) -> float:
+        """Fastest of `repeats` dispatches after a first one (which may load the executable)."""
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            jax.block_until_ready(self.loop.call(run, rows, num_drafts))
+            times.append(time.perf_counter() - start)
+        return min(times[1:])

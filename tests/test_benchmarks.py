@@ -182,15 +182,19 @@ def test_demo_drafters_smoke(smoke):
     doc = smoke["json"]["demo_drafters"]
     _common_keys(doc, "demo_drafters")
     assert len(doc["prompts"]) == 2 and all(p.endswith(".py") for p in doc["prompts"])
-    rows = {(r["method"], r["k"]): r for r in doc["results"]}
-    assert set(rows) == {("plain", 0), ("draft_model", 2), ("ngram", 2), ("mtp", 2)}
+    rows = {(r["method"], r["k"], r.get("dynamic_k", False)): r for r in doc["results"]}
+    assert set(rows) == {("plain", 0, False), ("draft_model", 2, False), ("ngram", 2, False), ("mtp", 2, False),
+                         ("draft_model", 2, True), ("ngram", 2, True)}
     assert all(r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0 for r in rows.values())  # exact lengths
     for method in ("draft_model", "ngram", "mtp"):
-        r = rows[(method, 2)]
+        r = rows[(method, 2, False)]
         assert r["greedy_equal"] and len(r["acceptance_by_position"]) == 2
         assert r["tau"] == pytest.approx(1.0 + sum(r["acceptance_by_position"]))
         assert r["acceptance"] == pytest.approx(sum(r["acceptance_by_position"]) / 2)
-    assert rows[("mtp", 2)]["tau"] > 1.0  # the trained head's drafts are accepted
+    for method in ("draft_model", "ngram"):  # dynamic k: rounds at k 1 or 2
+        r = rows[(method, 2, True)]
+        assert r["greedy_equal"] and sum(r["stats"]["k_histogram"][1:]) == r["stats"]["steps"]
+    assert rows[("mtp", 2, False)]["tau"] > 1.0  # the trained head's drafts are accepted
     assert "acceptance by position" in smoke["stdout"]["demo_drafters"]
 
 

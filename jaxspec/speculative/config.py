@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3", "dflash", "replay")
+DYNAMIC_K_METHODS = ("ngram", "draft_model", "replay")  # drafters that draft at the start of the round
 TAP_METHODS = {"eagle3": "speculative/eagle3.py", "dflash": "speculative/dflash.py"}  # drafters reading taps
 
 
@@ -24,6 +26,13 @@ class SpeculativeConfig:
     draft_model: "draft_model": a jaxspec Model; "eagle3" / "dflash": a checkpoint directory in the
       published layout, a head loaded with jaxspec.speculative.<method>.load, or "demo-<method>"
       (paths and names are loaded here, once).
+    dynamic_k: True makes num_speculative_tokens the largest k: each dispatch runs the k bucket
+      (powers of two below k, and k) with the most expected tokens per unit of round cost, from the
+      acceptance of earlier rounds (docs/speculation.md#dynamic-k). Drafters that draft at the
+      start of the round only: ngram, draft_model, replay.
+    dynamic_k_cost: the round cost model of dynamic k: None measures each bucket's dispatch time
+      once per request bucket (all-padding rows, cached per process); c >= 0 assumes a round at k
+      costs 1 + c * k rounds without drafts.
     """
 
     method: str
@@ -35,6 +44,8 @@ class SpeculativeConfig:
     replay_alpha: float = 1.0
     replay_seed: int = 0
     max_num_speculative_tokens: int = 16
+    dynamic_k: bool = False
+    dynamic_k_cost: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -61,6 +72,33 @@ class SpeculativeConfig:
             if not 0.0 <= self.replay_alpha <= 1.0:
                 raise ValueError(f"replay_alpha={self.replay_alpha} must be in [0, 1]")
             object.__setattr__(self, "replay_tokens", tuple(tuple(int(t) for t in r) for r in self.replay_tokens))
+        self._check_dynamic_k()
+
+    def _check_dynamic_k(self) -> None:
+        if not isinstance(self.dynamic_k, bool):
+            raise ValueError(f"dynamic_k={self.dynamic_k!r} must be True or False")
+        cost = self.dynamic_k_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, numbers.Real) or not cost >= 0):
+            raise ValueError(f"dynamic_k_cost={cost!r} must be None (measured) or a number >= 0 (a round at k "
+                             f"costs 1 + dynamic_k_cost * k rounds without drafts)")
+        if not self.dynamic_k:
+            if cost is not None:
+                raise ValueError(f"dynamic_k_cost={cost!r} is a setting of dynamic k; pass dynamic_k=True too")
+            return
+        if self.method not in DYNAMIC_K_METHODS:
+            raise ValueError(f"dynamic_k=True does not support method={self.method!r}: it drafts the next round's "
+                             f"tokens in the previous round, k of them, before the next k is known; valid: "
+                             f"{', '.join(DYNAMIC_K_METHODS)} (docs/speculation.md#dynamic-k)")
+        if self.num_speculative_tokens < 2:
+            raise ValueError(f"dynamic_k=True with num_speculative_tokens={self.num_speculative_tokens} leaves one "
+                             f"k to choose; num_speculative_tokens is the largest k, use >= 2")
+
+    @property
+    def k_buckets(self) -> tuple[int, ...]:
+        """The ks a round may run: dynamic.k_buckets(k) with dynamic_k, else (k,)."""
+        from jaxspec.speculative.dynamic import k_buckets
+
+        return k_buckets(self.k) if self.dynamic_k else (self.k,)
 
     @property
     def k(self) -> int:
@@ -75,6 +113,9 @@ def check_speculative(spec, model, num_prompts: int | None = None) -> None:
     if limit and spec.k > limit:
         raise ValueError(f"num_speculative_tokens={spec.k} is above this model's configured maximum "
                          f"max_num_speculative_tokens={limit}; use k <= {limit} or load with a larger maximum")
+    if spec.dynamic_k and model.k_mode == "pad_to_max":
+        raise ValueError("dynamic_k=True chooses among per-k executables, but k_mode='pad_to_max' runs every k "
+                         "with the k_max one; load with k_mode='per_k'")
     from jaxspec.speculative.session import SESSIONS
 
     SESSIONS[spec.method].check(spec, model, num_prompts)  # the method's own requirements

@@ -107,6 +107,13 @@ class Session:
         """Take back what a round donated (the drafter state is already self.dstate)."""
 
 
+def _history_len(ecfg: EngineConfig) -> int:
+    """Tokens a per-slot history holds: the longest request plus one round's emitted tokens at the
+    engine's k_max. Sized by the engine, not the round's k, so that rounds of every k up to k_max
+    share one drafter state (dynamic k, docs/speculation.md#dynamic-k)."""
+    return ecfg.max_model_len + ecfg.max_num_speculative_tokens + 1
+
+
 class _SlotStateSession(Session):
     """Drafters whose device state is a few int32 arrays indexed by slot (ngram, replay): one
     `set_slot` executable writes an admitted request's row."""
@@ -136,7 +143,7 @@ class NgramSession(_SlotStateSession):
 
     @classmethod
     def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
-        return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1], history_len=ecfg.max_model_len + k + 1)
+        return NgramDrafter(k=k, n_min=prompt_lookup[0], n_max=prompt_lookup[1], history_len=_history_len(ecfg))
 
     @classmethod
     def create(cls, model, engine, drafter, spec):
@@ -152,7 +159,7 @@ class ReplaySession(_SlotStateSession):
     @classmethod
     def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
         # a fixed reference length, so references of any length share executables
-        return ReplayDrafter(k=k, vocab_size=model.config.vocab_size, ref_len=ecfg.max_model_len + k + 1)
+        return ReplayDrafter(k=k, vocab_size=model.config.vocab_size, ref_len=_history_len(ecfg))
 
     @classmethod
     def check(cls, spec, model, num_prompts):
@@ -175,12 +182,13 @@ class ReplaySession(_SlotStateSession):
                                          len(req.generated))
 
 
-def draft_engine_config(target_ecfg: EngineConfig, draft, k: int) -> EngineConfig:
-    """The draft model's engine: the target's slots and lengths, 1+k state slots and one conv window
-    per state slot (it advances one token per step)."""
+def draft_engine_config(target_ecfg: EngineConfig, draft) -> EngineConfig:
+    """The draft model's engine: the target's slots and lengths, 1 + k_max state slots (the target
+    engine's k_max, so rounds of every k up to it share the draft caches) and one conv window per
+    state slot (it advances one token per step)."""
     return EngineConfig(max_num_seqs=target_ecfg.max_num_seqs, max_model_len=target_ecfg.max_model_len,
                         page_size=draft.page_size, prefill_chunk=draft.prefill_chunk,
-                        max_num_speculative_tokens=k, conv_per_state_slot=True,
+                        max_num_speculative_tokens=target_ecfg.max_num_speculative_tokens, conv_per_state_slot=True,
                         request_buckets=target_ecfg.request_buckets)
 
 
@@ -204,14 +212,14 @@ class DraftModelSession(Session):
     def make_drafter(cls, model, ecfg, k, *, prompt_lookup=(1, 4), draft_model=None):
         from jaxspec import ops
 
-        return DraftModelDrafter(k=k, cfg=draft_model.config, ecfg=draft_engine_config(ecfg, draft_model, k),
+        return DraftModelDrafter(k=k, cfg=draft_model.config, ecfg=draft_engine_config(ecfg, draft_model),
                                  kernels=ops.resolve_kernels(draft_model.kernels))
 
     @classmethod
     def memory(cls, model, ecfg, k, draft_model):
         from jaxspec.engine import memory_plan
 
-        plan = memory_plan(draft_model, draft_engine_config(ecfg, draft_model, k))
+        plan = memory_plan(draft_model, draft_engine_config(ecfg, draft_model))
         return {f"draft_{name}": size for name, size in plan.items()}
 
     @classmethod
@@ -234,15 +242,15 @@ class DraftModelSession(Session):
 
     @classmethod
     def admission_buckets(cls, model, k, engine_k, chunk, draft_model):
-        return [dict(name="draft_allocate", num_reqs=0, query_len=0, engine_k=k),
-                dict(name="draft_prefill", num_reqs=1, query_len=draft_model.prefill_chunk, engine_k=k)]
+        return [dict(name="draft_allocate", num_reqs=0, query_len=0, engine_k=engine_k),
+                dict(name="draft_prefill", num_reqs=1, query_len=draft_model.prefill_chunk, engine_k=engine_k)]
 
     @classmethod
     def lower_admission(cls, model, ecfg, bucket, draft_model):
         from jaxspec import cache
         from jaxspec.compile import lower_prefill
 
-        draft_ecfg = draft_engine_config(ecfg, draft_model, bucket.k)
+        draft_ecfg = draft_engine_config(ecfg, draft_model)
         if bucket.name == "draft_allocate":
             return cache.allocate_executable(draft_model.config, draft_ecfg, jnp.dtype(draft_model.dtype)).lower()
         return lower_prefill(draft_model, draft_ecfg, bucket.query_len)
