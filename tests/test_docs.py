@@ -23,7 +23,7 @@ README = REPO / "README.md"
 GUIDE = REPO / "docs" / "user_guide.md"
 SETUP_COMMANDS = [
     'pip install -e . && jaxspec generate --model demo --max-new-tokens 32 "def fibonacci(n):"',
-    'pip install -e ".[test]" && python -m pytest -q',
+    'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile',
 ]
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 @dataclasses.dataclass
