@@ -125,3 +125,21 @@ def family(hf_checkpoint):
         return cache[name]
 
     return get
+
+
+def replay_greedy_acceptance(drafts_from, seq: list[int], P: int, k: int, new_tokens: int):
+    """(accepted, rounds, accepted by position) of greedy speculation replayed offline over the
+    known greedy sequence seq (prompt of P tokens, then the continuation): drafts_from(m) gives the
+    k drafts made with the last emitted token at position m - 1 (admission: m = P)."""
+    generated, accepted, rounds, by_position = 1, 0, 0, [0] * k
+    drafts = drafts_from(P)
+    while generated < new_tokens:
+        p = P + generated - 1  # the position of the last emitted token
+        a = 0
+        while a < k and drafts[a] == seq[p + 1 + a]:
+            a += 1
+        accepted, rounds = accepted + a, rounds + 1
+        by_position = [c + (a > i) for i, c in enumerate(by_position)]
+        generated += 1 + a
+        drafts = drafts_from(p + 1 + a)
+    return accepted, rounds, by_position

@@ -28,6 +28,7 @@ from jaxspec.models import train
 from jaxspec.models.model import logits_from_hidden
 from jaxspec.speculative.mtp import draft_params, kv_shapes, mtp_forward
 from tests.jaxprs import pallas_calls
+from tests.speculative.conftest import replay_greedy_acceptance
 
 PROMPTS = ["import os\nimport sys\n\n\n", "def __init__(self, name, value):\n    self.",
            "class Error(Exception):\n    \"\"\"", "        for i in range(len(", "if __name__ == '__main__':\n    "]
@@ -95,18 +96,7 @@ def simulate(prompt: list[int], continuation: list[int], k: int) -> tuple[int, i
     ids = np.zeros((1, PAD), np.int32)
     ids[0, :len(seq)] = seq
     hidden = np.asarray(_hidden(params, cfg, jnp.asarray(ids)))
-    generated, accepted, rounds, by_position = 1, 0, 0, [0] * k
-    drafts = _drafts_from(params, cfg, hidden, seq, P, k)  # admission: rows up to x0's position
-    while generated < NEW_TOKENS:
-        p = P + generated - 1  # position of the last emitted token
-        a = 0
-        while a < k and drafts[a] == seq[p + 1 + a]:
-            a += 1
-        accepted, rounds = accepted + a, rounds + 1
-        by_position = [c + (a > i) for i, c in enumerate(by_position)]
-        generated += 1 + a
-        drafts = _drafts_from(params, cfg, hidden, seq, p + 1 + a, k)
-    return accepted, rounds, by_position
+    return replay_greedy_acceptance(lambda m: _drafts_from(params, cfg, hidden, seq, m, k), seq, P, k, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("k", [1, 3])

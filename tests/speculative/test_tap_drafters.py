@@ -27,7 +27,7 @@ from jaxspec.demo import DemoModelError
 from jaxspec.engine import memory_plan
 from jaxspec.models import train
 from jaxspec.speculative import dflash, eagle3
-from tests.speculative.conftest import CHUNK, PAGE, load
+from tests.speculative.conftest import CHUNK, PAGE, load, replay_greedy_acceptance
 from tests.speculative.tap_checkpoints import write_dflash, write_eagle3
 from tests.test_hostsync import inexact_float32_dots
 
@@ -120,18 +120,7 @@ def simulate(model, head, prompt, continuation, k: int, block: int) -> tuple[int
             return _eagle3_drafts(model, head, taps, seq, m, k)
         return _dflash_drafts(model, head, taps, seq, m, k, block)
 
-    generated, accepted, rounds, by_position = 1, 0, 0, [0] * k
-    drafts = drafts_from(P)  # admission: rows (context) 0..P-1, then the drafting after them
-    while generated < NEW:
-        p = P + generated - 1  # the position of the last emitted token
-        a = 0
-        while a < k and drafts[a] == seq[p + 1 + a]:
-            a += 1
-        accepted, rounds = accepted + a, rounds + 1
-        by_position = [c + (a > i) for i, c in enumerate(by_position)]
-        generated += 1 + a
-        drafts = drafts_from(p + 1 + a)
-    return accepted, rounds, by_position
+    return replay_greedy_acceptance(drafts_from, seq, P, k, NEW)
 
 
 def _head_taps(head, model) -> tuple[int, ...]:
