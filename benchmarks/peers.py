@@ -34,6 +34,7 @@ def parse(argv=None):
     p.add_argument("--modes", default=",".join(MODES), help="which HF generation modes, in this order")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1", help="comma list of batch sizes (B equal-length prompts per call)")
     p.add_argument("--pld-tokens", type=int, default=3, help="prompt_lookup_num_tokens of assisted generation")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the static-cache mode")
@@ -43,6 +44,9 @@ def parse(argv=None):
     p.set_defaults(repeats=3)
     args = common.parse_args(p, argv, SMOKE)
     common.check_choices("--modes", args.modes, MODES, "mode")
+    args.batch_list = common.int_list(args.batches)
+    if not args.batch_list or min(args.batch_list) < 1:
+        raise SystemExit(f"--batches takes positive batch sizes, got {args.batches!r}")
     return args
 
 
@@ -82,8 +86,9 @@ def _timed(model, ids, args, device, first_n: int = 4, **kwargs) -> dict:
     runs = [_generate(model, ids, args.new_tokens, device, **kwargs) for _ in range(args.repeats)]
     seconds = [s for _, s in runs]
     best = common.median(seconds)
+    tokens = args.new_tokens * ids.shape[0]
     return {"first_call_s": first_s, "first_call_tokens": first_n, "seconds": best, "seconds_all": seconds,
-            "tokens": args.new_tokens, "tokens_per_s": args.new_tokens / best, "token_ids": runs[0][0][0].tolist()}
+            "tokens": tokens, "tokens_per_s": tokens / best, "token_ids": runs[0][0][0].tolist()}
 
 
 def _compile_config(args, device):
@@ -103,20 +108,34 @@ def run_shape(name: str, layers, args, res, budget, reserve_s: float) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     hf = common.shape_config(name, layers)
-    rec = res.add({"shape": name, "layers": hf["num_hidden_layers"],
-                   "full_layers": common.shape_config(name)["num_hidden_layers"], "device": device,
-                   "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "modes": {}})
     t0 = time.perf_counter()
     model = _hf_model(hf, dtype, device)
-    rec.update(init_s=round(time.perf_counter() - t0, 2), hf_class=type(model).__name__,
-               params=sum(p.numel() for p in model.parameters()))
-    log(f"{name}: {rec['hf_class']} ({rec['params'] / 1e9:.2f}B params) built in {rec['init_s']}s on {device}")
-    ids = torch.tensor(common.prompt_ids(1, args.prompt_len, hf["vocab_size"]), device=device)
+    init_s, hf_class = round(time.perf_counter() - t0, 2), type(model).__name__
+    params = sum(p.numel() for p in model.parameters())
+    log(f"{name}: {hf_class} ({params / 1e9:.2f}B params) built in {init_s}s on {device}")
+    for batch in args.batch_list:
+        rec = res.add({"shape": name, "batch": batch, "layers": hf["num_hidden_layers"],
+                       "full_layers": common.shape_config(name)["num_hidden_layers"], "device": device,
+                       "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                       "init_s": init_s, "hf_class": hf_class, "params": params, "modes": {}})
+        ids = torch.tensor(common.prompt_ids(batch, args.prompt_len, hf["vocab_size"]), device=device)
+        _run_modes(name, batch, model, ids, device, rec, args, res, budget, reserve_s)
+        _parity(rec)
+        res.save()
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+def _run_modes(name, batch, model, ids, device, rec, args, res, budget, reserve_s) -> None:
+    """Every --modes entry at one batch size into rec["modes"]."""
     for mode in args.modes.split(","):
         need = args.compile_min_s if mode == "static_compile" else 5.0
         if not budget.allows(need + reserve_s):
-            res.skip(f"{name} {mode}", f"budget ({budget.left():.0f}s left, needs ~{need:.0f}s + {reserve_s:.0f}s "
-                                       f"kept for the next shapes)")
+            res.skip(f"{name} B={batch} {mode}",
+                     f"budget ({budget.left():.0f}s left, needs ~{need:.0f}s + {reserve_s:.0f}s kept for later shapes)")
             continue
         try:
             if mode == "eager":
@@ -135,21 +154,14 @@ def run_shape(name: str, layers, args, res, budget, reserve_s: float) -> None:
             msg = f"{type(e).__name__}: {e}"
             if mode == "assisted" and ("stateful" in str(e) or "not supported" in str(e)):
                 rec["modes"][mode] = {"refused": msg}
-                log(f"  {mode}: refused ({msg})")
+                log(f"  B={batch} {mode}: refused ({msg})")
             else:
-                res.error(f"{name} {mode}", e)
+                res.error(f"{name} B={batch} {mode}", e)
             res.save()
             continue
         rec["modes"][mode] = out
-        log(f"  {mode}: {out['tokens_per_s']:.1f} tok/s (first call {out['first_call_s']:.1f}s)")
+        log(f"  B={batch} {mode}: {out['tokens_per_s']:.1f} tok/s (first call {out['first_call_s']:.1f}s)")
         res.save()
-    _parity(rec)
-    res.save()
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
 
 
 def _parity(rec: dict) -> None:
@@ -167,12 +179,12 @@ def print_tables(res) -> None:
             if out is None:
                 continue
             if "refused" in out:
-                rows.append([rec["shape"], mode, "refused", "", "", out["refused"][:60]])
+                rows.append([rec["shape"], rec.get("batch", 1), mode, "refused", "", "", out["refused"][:60]])
                 continue
-            rows.append([rec["shape"], mode, fmt(out["tokens_per_s"], 1), fmt(out["first_call_s"], 1),
-                         str(out.get("same_tokens_as_eager", "")), ""])
-    print(f"\nHF transformers peers, batch 1, greedy ({res.data['args']['new_tokens']} tokens)")
-    print(common.format_table(rows, ["shape", "mode", "tok/s", "first call s", "same as eager", "note"]))
+            rows.append([rec["shape"], rec.get("batch", 1), mode, fmt(out["tokens_per_s"], 1),
+                         fmt(out["first_call_s"], 1), str(out.get("same_tokens_as_eager", "")), ""])
+    print(f"\nHF transformers peers, greedy ({res.data['args']['new_tokens']} tokens)")
+    print(common.format_table(rows, ["shape", "B", "mode", "tok/s", "first call s", "same as eager", "note"]))
 
 
 def main(argv=None) -> int:

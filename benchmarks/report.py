@@ -96,9 +96,11 @@ def compact(docs: dict[str, dict], status: str) -> str:
         rows = []
         for rec in peers["results"]:
             for mode, out in rec.get("modes", {}).items():
-                rows.append([rec["shape"], mode, "refused" if "refused" in out else fmt(out.get("tokens_per_s"), 1),
+                rows.append([rec["shape"], rec.get("batch", 1), mode,
+                             "refused" if "refused" in out else fmt(out.get("tokens_per_s"), 1),
                              fmt(out.get("first_call_s"), 1)])
-        lines += ["HF peers (tok/s, first call s)", common.format_table(rows, ["shape", "mode", "tok/s", "first s"])]
+        lines += ["HF peers (tok/s, first call s)",
+                  common.format_table(rows, ["shape", "B", "mode", "tok/s", "first s"])]
     kern = docs.get("kernels")
     if kern:
         by: dict = {}
@@ -142,7 +144,7 @@ def headline(directory: Path) -> dict:
                 row["spec_replay_a0.8_k7_tok_s"] = _tok_s(spec[0]) if spec else None
                 row["spec_replay_a0.8_k7_tau"] = spec[0]["tau"] if spec else None
         for rec in docs.get("peers", {}).get("results", []):
-            if rec.get("shape") == shape:
+            if rec.get("shape") == shape and rec.get("batch", 1) == 1:
                 modes = rec.get("modes", {})
                 row["hf_static_compile_tok_s"] = _tok_s(modes.get("static_compile"))
                 row["hf_eager_tok_s"] = _tok_s(modes.get("eager"))
