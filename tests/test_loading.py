@@ -186,6 +186,21 @@ def test_saved_dtype_is_kept_by_auto(tmp_path):
     assert {x.dtype for x in jax.tree.leaves(widened.params)} == {np.dtype(np.float32)}
 
 
+def test_directory_saved_with_orbax_still_loads(tmp_path):
+    """Directories saved before params.safetensors hold an orbax checkpoint in params/: they load
+    into the same arrays, which reuse the executables of the model that was saved."""
+    import orbax.checkpoint as ocp
+
+    model = demo_model("qwen3_5")
+    saved = jaxspec.save(model, tmp_path / "saved")
+    (saved / "params.safetensors").unlink()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((saved / "params").absolute(), model.params)
+    reloaded = jaxspec.load(saved, **SETTINGS)
+    assert_trees_equal(reloaded.params, model.params)
+    assert_same_outputs(model, reloaded, prompts())
+
+
 # ---- MTP weights through load ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
