@@ -9,8 +9,10 @@ CLI takes a text prompt). Then, each in its own process and each timed from proc
   precompile `jaxspec precompile` of the same settings into a second empty cache directory;
   after      `jaxspec generate --verbose` on that directory (must compile nothing).
 The CLI's own --verbose line gives load time, time to first token (from the command's start, after
-imports) and the XLA compilation / cache-load counts; process wall time includes Python and JAX
-start-up. HF's first-call compile time for comparison is in peers.py's JSON of the same run.
+imports) and the XLA compilation / cache-load counts, and splits the time after the load up to the
+first token into tracing, executables (XLA compiles or persistent-cache loads) and the rest; process
+wall time includes Python and JAX start-up (before_command_s: process time minus the command's).
+HF's first-call compile time for comparison is in peers.py's JSON of the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from benchmarks.common import fmt, log  # noqa: E402
 SMOKE = dict(shapes="demo-qwen3.5", max_new_tokens=4, max_model_len=128, prefill_chunk=16, k=1)
 STARTUP_LINE = re.compile(r"start-up: load (?P<load>[\d.]+)s, time to first token (?P<ttft>[\d.]+)s; "
                           r"(?P<compiles>\d+) XLA compilations, (?P<loads>\d+) persistent-cache loads")
+PHASES = re.compile(r"after load: tracing (?P<trace>[-\d.]+)s, executables (?P<exe>[-\d.]+)s, "
+                    r"other (?P<other>[-\d.]+)s; command (?P<command>[\d.]+)s")
 
 
 def parse(argv=None):
@@ -74,6 +78,11 @@ def _cli(argv: list[str], args) -> dict:
     if match:
         out.update(load_s=float(match["load"]), ttft_s=float(match["ttft"]), compiles=int(match["compiles"]),
                    cache_loads=int(match["loads"]))
+    phases = PHASES.search(proc.stderr)
+    if phases:  # time to first token after the load, split; before_command_s: interpreter + imports + exit
+        out.update(trace_s=float(phases["trace"]), executables_s=float(phases["exe"]),
+                   other_s=float(phases["other"]), command_s=float(phases["command"]),
+                   before_command_s=round(out["process_s"] - float(phases["command"]), 3))
     if proc.returncode:
         out["stderr_tail"] = proc.stderr[-3000:]
     return out
@@ -114,11 +123,14 @@ def print_tables(res) -> None:
     rows = []
     for rec in res.data["results"]:
         for label, run in rec["runs"].items():
-            rows.append([rec["shape"], label, fmt(run["process_s"], 1), fmt(run.get("load_s")), fmt(run.get("ttft_s")),
-                         run.get("compiles", "-"), run.get("cache_loads", "-"), run["returncode"]])
-    print("\nstart-up of `jaxspec generate` in fresh processes (seconds; ttft from the command's start)")
-    print(common.format_table(rows, ["shape", "run", "process s", "load s", "ttft s", "compilations",
-                                     "cache loads", "rc"]))
+            rows.append([rec["shape"], label, fmt(run["process_s"], 1), fmt(run.get("before_command_s")),
+                         fmt(run.get("load_s")), fmt(run.get("trace_s")), fmt(run.get("executables_s")),
+                         fmt(run.get("other_s")), fmt(run.get("ttft_s")), run.get("compiles", "-"),
+                         run.get("cache_loads", "-"), run["returncode"]])
+    print("\nstart-up of `jaxspec generate` in fresh processes (seconds; ttft from the command's start = load + "
+          "tracing + executables + other; before command = interpreter, imports and exit)")
+    print(common.format_table(rows, ["shape", "run", "process s", "before command s", "load s", "tracing s",
+                                     "executables s", "other s", "ttft s", "compilations", "cache loads", "rc"]))
 
 
 def main(argv=None) -> int:

@@ -147,9 +147,10 @@ def _cmd_generate(args) -> int:
         spec = _speculative(args, model, prompts)
         stream = jaxspec.generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=spec, stream=True)
-        outputs, first_token = [[] for _ in prompts], None
+        outputs, first_token, exe = [[] for _ in prompts], None, (0.0, 0.0)
         for index, new in stream:
-            first_token = first_token or time.perf_counter()
+            if first_token is None:
+                first_token, exe = time.perf_counter(), (compiles.trace_seconds, compiles.compile_seconds)
             outputs[index].extend(new)
             if args.stream and model.tokenizer is not None:
                 print(model.tokenizer.decode(new), end="", flush=True)
@@ -167,11 +168,21 @@ def _cmd_generate(args) -> int:
             by_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
             print(f"[jaxspec] acceptance by draft position: {by_pos}", file=sys.stderr)
     if args.verbose:
-        cache = "warm" if compiles.backend_compiles and compiles.compiles == 0 else "cold"
-        print(f"[jaxspec] start-up: load {loaded - start:.2f}s, time to first token "
-              f"{(first_token or time.perf_counter()) - start:.2f}s; {compiles.compiles} XLA compilations, "
-              f"{compiles.cache_hits} persistent-cache loads ({cache} cache)", file=sys.stderr)
+        _print_startup(start, loaded, first_token or time.perf_counter(), exe, compiles)
     return 0
+
+
+def _print_startup(start: float, loaded: float, first_token: float, exe: tuple[float, float], compiles) -> None:
+    """The start-up line (benchmarks/startup.py parses it): load, time to first token and, split
+    up to the first token, the time in tracing and in XLA compiles / persistent-cache loads
+    (docs/benchmarks.md, "Compile and start-up"); `command` ends after the output is printed."""
+    cache = "warm" if compiles.backend_compiles and compiles.compiles == 0 else "cold"
+    trace, build = exe
+    rest = first_token - loaded - trace - build
+    print(f"[jaxspec] start-up: load {loaded - start:.2f}s, time to first token {first_token - start:.2f}s; "
+          f"{compiles.compiles} XLA compilations, {compiles.cache_hits} persistent-cache loads ({cache} cache); "
+          f"after load: tracing {trace:.2f}s, executables {build:.2f}s, other {rest:.2f}s; "
+          f"command {time.perf_counter() - start:.2f}s", file=sys.stderr)
 
 
 def _memory_lines(model, k_values) -> list[str]:

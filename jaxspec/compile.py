@@ -33,7 +33,8 @@ class CompileCount:
     backend_compiles: int = 0  # XLA compiles plus persistent-cache loads
     cache_hits: int = 0
     cache_misses: int = 0
-    compile_seconds: float = 0.0
+    compile_seconds: float = 0.0  # XLA compiles plus persistent-cache loads
+    trace_seconds: float = 0.0
 
     @property
     def compiles(self) -> int:
@@ -49,6 +50,7 @@ def _on_duration(name: str, seconds: float, **_) -> None:
     for count in _active:
         if name == _TRACE:
             count.traces += 1
+            count.trace_seconds += seconds
         elif name == _BACKEND:
             count.backend_compiles += 1
             count.compile_seconds += seconds

@@ -10,6 +10,7 @@ orbax params; faster to reload than re-converting), or (c) a built-in demo name:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -17,9 +18,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxspec import cache, demo, ops, sharding, weights
+from jaxspec import cache, demo, ops, saved, sharding, weights
 from jaxspec import compile as compile_cache
 from jaxspec import tokenizer as tok
 from jaxspec.config import ConfigError, EngineConfig, ModelConfig
@@ -147,17 +147,12 @@ def _with_mesh(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
 
 
 def _restore(path: Path, cfg: ModelConfig, jdtype):
-    """A jaxspec.save directory's params, restored by orbax straight into cfg's shardings (any mesh:
-    the saved arrays are whole, whatever mesh saved them), in jdtype."""
-    shapes = weights.saved_shapes(path)
-    target = jax.tree_util.tree_map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
-                                    shapes, sharding.param_shardings(cfg, shapes), is_leaf=lambda x: x is None)
-    params = weights.restore_params(path, target)
-    if cfg.mesh is None:
-        # Through the host, like hf_to_params: orbax restores device-committed arrays, which jit keys
-        # apart from the uncommitted ones of every other load path (a reloaded model would recompile).
-        return jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x).astype(jdtype, copy=False)), params)
-    return jax.tree_util.tree_map(lambda x: x if x.dtype == jdtype else x.astype(jdtype), params)
+    """A jaxspec.save directory's params, read straight into cfg's shardings (any mesh: the saved
+    arrays are whole, whatever mesh saved them) in jdtype (jaxspec/saved.py)."""
+    shardings_of = functools.partial(sharding.param_shardings, cfg)
+    if (path / saved.PARAMS_FILE).is_file() or not saved.has_orbax_params(path):
+        return saved.restore_params(path, jdtype, shardings_of)
+    return saved.restore_orbax(path, shardings_of, jdtype)
 
 
 def _load_dir(path: Path, dtype: str, tensor_parallel_size: int):
@@ -267,7 +262,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
 
 
 def save(model: Model, directory: str | Path) -> Path:
-    """Write config.json, tokenizer files and the converted params (orbax) to directory."""
+    """Write config.json, tokenizer files and the converted params (params.safetensors, in the
+    engine's layout: jaxspec/saved.py) to directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf_config = dict(model.hf_config)
@@ -275,12 +271,13 @@ def save(model: Model, directory: str | Path) -> Path:
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     # The model's effective EOS ids (generation_config.json's, when it had one), where load looks first.
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
-    marker = {"format": "orbax", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None, "gdn_channels": "grouped"}
+    marker = {"format": "safetensors", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None,
+              "gdn_channels": "grouped"}
     if isinstance(model.tokenizer, tok.ByteTokenizer):
         marker["tokenizer"] = "byte"
     elif isinstance(model.tokenizer, tok.HFTokenizer):
         marker["tokenizer"] = "tokenizer.json"
         model.tokenizer.save(directory)
-    weights.save_params(model.params, directory)
+    saved.save_params(model.params, directory)
     (directory / _SAVED_MARKER).write_text(json.dumps(marker))
     return directory

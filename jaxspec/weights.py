@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-PARAMS_SUBDIR = "params"  # save_params writes the orbax checkpoint to <directory>/params
 PROGRESS_BYTES = 1 << 30  # show a progress bar when the checkpoint is larger than 1 GiB
+READ_THREADS = min(8, os.cpu_count() or 1)  # tensors read and copied to the device(s) at once
 VALID_DTYPES = ("auto", "bfloat16", "float32")
 
 _ST_DTYPES = {
@@ -452,8 +452,8 @@ def _load_mtp(cfg: ModelConfig, src: _Source) -> dict[str, Any]:
 def _materialize(t: _Lazy, sharding, dtype) -> jax.Array:
     """One weight on the device(s): whole, or (a sharding) each device's shard read on its own, so
     no device ever holds the whole weight first. A shard shared by several devices is read once."""
-    if sharding is None:
-        return jnp.asarray(np.asarray(t.full(), dtype=dtype))
+    if sharding is None:  # device_put, not jnp.asarray: that stages a copy executable per shape (a compile)
+        return jax.device_put(np.asarray(t.full(), dtype=dtype))
     read: dict[tuple, np.ndarray] = {}
 
     def shard(index):
@@ -486,22 +486,37 @@ def hf_to_params(cfg: ModelConfig, tensors, dtype: str = "auto") -> dict[str, An
 
     target = resolve_dtype(cfg, dtype)
     src = _Source(tensors)
-    lazy = _load_spec(src, _top_spec(cfg))
-    lazy["layers"] = [_load_layer(cfg, src, _layer_prefix(cfg, i), cfg.layer_types[i], cfg.mlp_kinds[i])
+    tree = _load_spec(src, _top_spec(cfg))
+    tree["layers"] = [_load_layer(cfg, src, _layer_prefix(cfg, i), cfg.layer_types[i], cfg.mlp_kinds[i])
                       for i in range(cfg.num_hidden_layers)]
     if "mtp.fc.weight" in src:
-        lazy["mtp"] = _load_mtp(cfg, src)
+        tree["mtp"] = _load_mtp(cfg, src)
     elif cfg.mtp_num_hidden_layers:
         log.info("config has mtp_num_hidden_layers=%d but the checkpoint has no mtp.* weights",
                  cfg.mtp_num_hidden_layers)
     _report_unused(src)
-    leaves, tree = jax.tree_util.tree_flatten(lazy)
-    shardings = jax.tree_util.tree_leaves(sharding.param_shardings(cfg, lazy), is_leaf=lambda x: x is None)
-    total = sum(int(np.prod(t.shape)) for t in leaves) * target.itemsize
-    arrays = [_materialize(t, sh, target) for t, sh in tqdm(zip(leaves, shardings, strict=True), total=len(leaves),
-                                                             desc="loading weights", unit="tensor",
-                                                             disable=total <= PROGRESS_BYTES)]
-    return jax.tree_util.tree_unflatten(tree, arrays)
+    return materialize(tree, sharding.param_shardings(cfg, tree), target)
+
+
+def lazy(tree) -> Any:
+    """A tree of stored tensors (numpy arrays, open_checkpoint's slices) -> the same tree of lazy
+    tensors, each with .shape and read on demand, shard by shard."""
+    return jax.tree_util.tree_map(_Lazy.of, tree)
+
+
+def materialize(tree, shardings, dtype) -> Any:
+    """A tree of lazy tensors (or anything `lazy` takes) -> the same tree of jax arrays of `dtype`
+    placed by `shardings` (a matching tree; None leaves = the default device, uncommitted like
+    every other load path's arrays). READ_THREADS tensors are read at once, so the file reads of
+    some overlap the host-to-device copies of others."""
+    leaves, treedef = jax.tree_util.tree_flatten(lazy(tree))
+    shards = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: x is None)
+    total = sum(int(np.prod(t.shape)) for t in leaves) * np.dtype(dtype).itemsize
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        futures = [pool.submit(_materialize, t, sh, dtype) for t, sh in zip(leaves, shards, strict=True)]
+        arrays = [f.result() for f in tqdm(futures, desc="loading weights", unit="tensor",
+                                           disable=total <= PROGRESS_BYTES)]
+    return jax.block_until_ready(jax.tree_util.tree_unflatten(treedef, arrays))
 
 
 def _report_unused(src: _Source) -> None:
@@ -593,72 +608,3 @@ def params_to_hf(cfg: ModelConfig, params: dict[str, Any], fused_experts: bool =
         for i, layer in enumerate(params["mtp"]["layers"]):
             _export_layer(cfg, layer, f"mtp.layers.{i}.", out, fused_experts)
     return out
-
-
-# ---- Orbax save / restore of the params pytree -----------------------------------------------------
-
-def save_params(params: dict[str, Any], directory: str | os.PathLike) -> Path:
-    """Saves params with orbax to <directory>/params (other files in `directory`, e.g. config.json,
-    are left alone). Overwrite-safe: the new checkpoint is written beside the old one and swapped
-    in only once complete. Returns the params path."""
-    import orbax.checkpoint as ocp
-
-    directory = Path(directory).absolute()
-    directory.mkdir(parents=True, exist_ok=True)
-    final, tmp, old = (directory / PARAMS_SUBDIR, directory / (PARAMS_SUBDIR + ".saving"),
-                       directory / (PARAMS_SUBDIR + ".old"))
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp, params)
-    ckptr.wait_until_finished()
-    ckptr.close()
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _params_path(directory) -> Path:
-    path = Path(directory).absolute() / PARAMS_SUBDIR
-    if not path.is_dir() and path.with_name(PARAMS_SUBDIR + ".old").is_dir():
-        path = path.with_name(PARAMS_SUBDIR + ".old")  # a save_params interrupted mid-swap
-    if not path.is_dir():
-        raise CheckpointError(f"no saved params at {str(path)!r} (written by save_params)")
-    return path
-
-
-def saved_shapes(directory: str | os.PathLike) -> dict[str, Any]:
-    """The params tree saved by save_params(params, directory), as leaves with .shape / .dtype."""
-    import orbax.checkpoint as ocp
-
-    ckptr = ocp.StandardCheckpointer()
-    meta = ckptr.metadata(_params_path(directory))
-    ckptr.close()
-    tree = getattr(meta, "item_metadata", meta)  # StepMetadata in newer orbax, the tree in older
-    return getattr(tree, "tree", tree)
-
-
-def restore_params(directory: str | os.PathLike, target=None) -> dict[str, Any]:
-    """Restores params saved by save_params(params, directory): into `target` (a tree of
-    ShapeDtypeStruct whose shardings say where each shard goes; None shardings = the default
-    device), or with the saved shapes and dtypes onto the default device. Each process reads only
-    its devices' shards. Raises CheckpointError when <directory>/params does not exist."""
-    import orbax.checkpoint as ocp
-
-    path = _params_path(directory)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    if target is None:
-        target = saved_shapes(directory)
-
-    def placed(m):
-        where = getattr(m, "sharding", None)
-        return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where if isinstance(where, jax.sharding.Sharding)
-                                    else device)
-
-    target = jax.tree_util.tree_map(placed, target)
-    ckptr = ocp.StandardCheckpointer()
-    params = ckptr.restore(path, target)
-    ckptr.close()
-    return params

@@ -138,6 +138,11 @@ def test_verbose_generate_reports_startup(precompiled):
     out = cli("generate", *MODEL, "--max-new-tokens", "4", "--cache-dir", str(cache), "--verbose", "hi")
     assert out.returncode == 0, out.stderr
     assert "time to first token" in out.stderr and "0 XLA compilations" in out.stderr
+    from benchmarks.startup import PHASES, STARTUP_LINE
+
+    phases = PHASES.search(out.stderr)  # the split benchmarks/startup.py records
+    assert STARTUP_LINE.search(out.stderr) and phases, out.stderr
+    assert float(phases["command"]) >= float(STARTUP_LINE.search(out.stderr)["ttft"])
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -168,7 +168,9 @@ def test_save_load_round_trip_hf_model(hf_checkpoint, tmp_path):
 def test_save_load_round_trip_demo_model_keeps_byte_tokenizer(tmp_path):
     model = demo_model("qwen3_5")
     saved = jaxspec.save(model, tmp_path / "saved")
-    reloaded = jaxspec.load(saved, **SETTINGS)
+    with count_compiles() as loading:
+        reloaded = jaxspec.load(saved, **SETTINGS)
+    assert loading.backend_compiles == 0  # weights are copied to the device, not staged by an executable per shape
     assert isinstance(reloaded.tokenizer, ByteTokenizer) and reloaded.config == model.config
     assert_trees_equal(reloaded.params, model.params)
     assert_same_outputs(model, reloaded, prompts())
@@ -184,6 +186,21 @@ def test_saved_dtype_is_kept_by_auto(tmp_path):
     assert_trees_equal(reloaded.params, model.params)
     widened = jaxspec.load(saved, **{**SETTINGS, "dtype": "float32"})
     assert {x.dtype for x in jax.tree.leaves(widened.params)} == {np.dtype(np.float32)}
+
+
+def test_directory_saved_with_orbax_still_loads(tmp_path):
+    """Directories saved before params.safetensors hold an orbax checkpoint in params/: they load
+    into the same arrays, which reuse the executables of the model that was saved."""
+    import orbax.checkpoint as ocp
+
+    model = demo_model("qwen3_5")
+    saved = jaxspec.save(model, tmp_path / "saved")
+    (saved / "params.safetensors").unlink()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((saved / "params").absolute(), model.params)
+    reloaded = jaxspec.load(saved, **SETTINGS)
+    assert_trees_equal(reloaded.params, model.params)
+    assert_same_outputs(model, reloaded, prompts())
 
 
 # ---- MTP weights through load ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""HF checkpoints -> params -> HF, orbax round trips, checkpoint errors, tokenizers."""
+"""HF checkpoints -> params -> HF, saved-params round trips, checkpoint errors, tokenizers."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from jaxspec.config import FULL, ModelConfig
+from jaxspec.saved import restore_params, save_params
 from jaxspec.tokenizer import ByteTokenizer, HFTokenizer, eos_token_ids, load_tokenizer
 from jaxspec.weights import (
     CheckpointError,
     hf_to_params,
     params_to_hf,
     read_checkpoint_tensors,
-    restore_params,
-    save_params,
     write_safetensors,
 )
 from tests.hf_fixtures import KINDS, VOCAB, make_hf_checkpoint, mtp_tensors
@@ -368,18 +367,22 @@ def test_exported_checkpoint_loads_in_transformers(hf_checkpoint, hf_models, tmp
         torch.testing.assert_close(reloaded[name], t, rtol=0, atol=0, msg=name)
 
 
-def test_orbax_round_trip_is_exact_and_overwrite_safe(hf_checkpoint, tmp_path):
+def test_saved_params_round_trip_is_exact_and_overwrite_safe(hf_checkpoint, tmp_path):
     cfg, tensors, params = load(hf_checkpoint("qwen3_5_moe", mtp=True))
     (tmp_path / "config.json").write_text("{}")
     save_params(params, tmp_path)
-    assert_trees_equal(restore_params(tmp_path), params)
+    restored = restore_params(tmp_path, jnp.float32)
+    assert_trees_equal(restored, params)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(restored))
     bf16 = hf_to_params(cfg, tensors, "bfloat16")
     save_params(bf16, tmp_path)  # overwrite in place
-    assert_trees_equal(restore_params(tmp_path), bf16)
+    assert_trees_equal(restore_params(tmp_path, jnp.bfloat16), bf16)
+    widened = restore_params(tmp_path, jnp.float32)  # a dtype other than the saved one
+    assert_trees_equal(widened, jax.tree.map(lambda x: x.astype(jnp.float32), bf16))
     assert (tmp_path / "config.json").read_text() == "{}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "params"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "params.safetensors"]
     with pytest.raises(CheckpointError, match="no saved params"):
-        restore_params(tmp_path / "elsewhere")
+        restore_params(tmp_path / "elsewhere", jnp.float32)
 
 
 # ---- tokenizers -----------------------------------------------------------------------------------
