@@ -39,6 +39,9 @@ PHASES = re.compile(r"after load: tracing (?P<trace>[-\d.]+)s, executables (?P<e
                     r"other (?P<other>[-\d.]+)s; command (?P<command>[\d.]+)s")
 
 
+RUNS = ("cold", "warm", "precompile", "after_precompile")
+
+
 def parse(argv=None):
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--speculative", default="ngram", help="drafter of the generate runs ('none' = plain)")
@@ -48,10 +51,16 @@ def parse(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "orbax"],
+                   help="jaxspec.save params format of the checkpoint")
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help="which fresh-process runs, in this order")
     p.add_argument("--workdir", default=None, help="checkpoints and cache directories (default: a temporary one)")
     p.add_argument("--timeout-s", type=float, default=600, help="limit per process")
     p.set_defaults(repeats=1)
-    return common.parse_args(p, argv, SMOKE, check=False)  # one process per run: no repeats
+    args = common.parse_args(p, argv, SMOKE, check=False)  # one process per run: no repeats
+    common.check_choices("--runs", args.runs, RUNS, "run")
+    return args
 
 
 def _save_model(name: str, layers, args, directory: Path) -> float:
@@ -61,10 +70,10 @@ def _save_model(name: str, layers, args, directory: Path) -> float:
             "from jaxspec.tokenizer import ByteTokenizer;"
             "hf = common.shape_config(sys.argv[2], None if sys.argv[3] == 'None' else int(sys.argv[3]));"
             "m = common.build_model(hf, dtype=sys.argv[4], engine={});"
-            "jaxspec.save(dataclasses.replace(m, tokenizer=ByteTokenizer()), sys.argv[5])")
+            "jaxspec.save(dataclasses.replace(m, tokenizer=ByteTokenizer()), sys.argv[5], format=sys.argv[6])")
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, str(common.REPO), name, str(layers), args.dtype, str(directory)],
-                   check=True, timeout=args.timeout_s, cwd=common.REPO)
+    subprocess.run([sys.executable, "-c", code, str(common.REPO), name, str(layers), args.dtype, str(directory),
+                    args.format], check=True, timeout=args.timeout_s, cwd=common.REPO)
     return time.perf_counter() - start
 
 
@@ -92,7 +101,8 @@ def run_shape(name: str, layers, args, res, work: Path) -> None:
     ckpt, cold_cache, pre_cache = work / f"{name}-ckpt", work / f"{name}-cache", work / f"{name}-cache-pre"
     for d in (ckpt, cold_cache, pre_cache):
         shutil.rmtree(d, ignore_errors=True)
-    rec = res.add({"shape": name, "layers": common.shape_config(name, layers)["num_hidden_layers"], "runs": {}})
+    rec = res.add({"shape": name, "layers": common.shape_config(name, layers)["num_hidden_layers"],
+                   "format": args.format, "runs": {}})
     rec["save_s"] = _save_model(name, layers, args, ckpt)
     log(f"{name}: saved in {rec['save_s']:.1f}s")
     settings = ["--model", str(ckpt), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
@@ -108,7 +118,7 @@ def run_shape(name: str, layers, args, res, work: Path) -> None:
             ("warm", [*gen, "--cache-dir", str(cold_cache), *prompt]),
             ("precompile", pre),
             ("after_precompile", [*gen, "--cache-dir", str(pre_cache), *prompt])]
-    for label, argv in plan:
+    for label, argv in [(label, argv) for label, argv in plan if label in args.runs.split(",")]:
         rec["runs"][label] = run = _cli(argv, args)
         res.save()
         log(f"{name} {label}: process {run['process_s']:.1f}s, ttft {fmt(run.get('ttft_s'))}s, "

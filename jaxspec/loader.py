@@ -261,9 +261,13 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     return model
 
 
-def save(model: Model, directory: str | Path) -> Path:
-    """Write config.json, tokenizer files and the converted params (params.safetensors, in the
-    engine's layout: jaxspec/saved.py) to directory."""
+def save(model: Model, directory: str | Path, format: str | None = None) -> Path:
+    """Write config.json, tokenizer files and the converted params in the engine's layout to
+    directory: format "safetensors" (params.safetensors, the default in one process) or "orbax"
+    (params/, the default when several processes hold the shards); jaxspec/saved.py."""
+    format = format or saved.default_format()
+    if format not in saved.FORMATS:
+        raise ValueError(f"format={format!r} is not a params format; choose one of {saved.FORMATS}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf_config = dict(model.hf_config)
@@ -271,13 +275,13 @@ def save(model: Model, directory: str | Path) -> Path:
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     # The model's effective EOS ids (generation_config.json's, when it had one), where load looks first.
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": list(model.config.eos_token_ids)}))
-    marker = {"format": "safetensors", "dtype": jnp.dtype(model.dtype).name, "tokenizer": None,
+    marker = {"format": format, "dtype": jnp.dtype(model.dtype).name, "tokenizer": None,
               "gdn_channels": "grouped"}
     if isinstance(model.tokenizer, tok.ByteTokenizer):
         marker["tokenizer"] = "byte"
     elif isinstance(model.tokenizer, tok.HFTokenizer):
         marker["tokenizer"] = "tokenizer.json"
         model.tokenizer.save(directory)
-    saved.save_params(model.params, directory)
+    saved.save_params(model.params, directory, format)
     (directory / _SAVED_MARKER).write_text(json.dumps(marker))
     return directory

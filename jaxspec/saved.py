@@ -5,8 +5,13 @@ reorders, no casts unless a different dtype is asked for.
 `params.safetensors` holds one tensor per params leaf, named by its tree path ("embed",
 "layers.3.attn.q", "mtp.layers.0.mlp.down"). Loading reads it through the same slicing reader as a
 Hugging Face checkpoint (weights.materialize): several tensors at once, each device reading only
-its own shard, so a saved model restores into the shards of any mesh. Directories written by
-earlier versions hold an orbax checkpoint in `params/` instead; they still load (restore_orbax).
+its own shard, so a saved model restores into the shards of any mesh.
+
+The other format, `format="orbax"`, is an orbax checkpoint in `params/` (StandardCheckpointer):
+every process writes and reads only its own shards, so it is the one to use when the model is
+saved from several processes (jaxspec.initialize_distributed); it restores into any mesh too.
+Single-process saves default to safetensors, which loads faster (docs/benchmarks.md, "Compile and
+start-up").
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import numpy as np
 from jaxspec import weights
 
 PARAMS_FILE = "params.safetensors"
-ORBAX_SUBDIR = "params"  # the orbax checkpoint of directories saved before PARAMS_FILE
+ORBAX_SUBDIR = "params"  # the orbax checkpoint of format="orbax"
+FORMATS = ("safetensors", "orbax")
 
 
 def leaf_name(path) -> str:
@@ -31,16 +37,49 @@ def leaf_name(path) -> str:
     return ".".join(str(k.key if isinstance(k, jax.tree_util.DictKey) else k.idx) for k in path)
 
 
-def save_params(params: dict[str, Any], directory: str | os.PathLike) -> Path:
-    """Writes params (whole arrays, gathered from their shards) to <directory>/params.safetensors,
-    overwrite-safe (written beside the old file, then renamed over it); an older save's orbax
-    `params/` is removed. Returns the file's path."""
+def default_format() -> str:
+    """safetensors in one process; orbax when several processes hold the model's shards."""
+    return "orbax" if jax.process_count() > 1 else "safetensors"
+
+
+def save_params(params: dict[str, Any], directory: str | os.PathLike, format: str | None = None) -> Path:
+    """Writes params to directory in `format` (FORMATS; None: default_format()), overwrite-safe
+    (the new files are written beside the old ones, then renamed over them); the other format's
+    files of an earlier save are removed. Returns the params path."""
+    format = format or default_format()
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not a params format; choose one of {FORMATS}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if format == "orbax":
+        path = _save_orbax(params, directory)
+        (directory / PARAMS_FILE).unlink(missing_ok=True)
+        return path
+    if jax.process_count() > 1:
+        raise ValueError(f"format='safetensors' writes whole arrays from one process, but "
+                         f"{jax.process_count()} processes hold this model's shards: save with format='orbax'")
     flat = {leaf_name(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     path = weights.write_safetensors(flat, directory / PARAMS_FILE)
     shutil.rmtree(directory / ORBAX_SUBDIR, ignore_errors=True)
     return path
+
+
+def _save_orbax(params: dict[str, Any], directory: Path) -> Path:
+    import orbax.checkpoint as ocp
+
+    directory = directory.absolute()
+    final, tmp, old = (directory / ORBAX_SUBDIR, directory / (ORBAX_SUBDIR + ".saving"),
+                       directory / (ORBAX_SUBDIR + ".old"))
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp, params)
+        ckptr.wait_until_finished()
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
@@ -87,10 +126,10 @@ def has_orbax_params(directory: str | os.PathLike) -> bool:
 
 
 def restore_orbax(directory: str | os.PathLike, shardings_of, dtype) -> dict[str, Any]:
-    """An orbax `params/` checkpoint (directories saved by earlier versions) in `dtype`: into the
-    shardings of a mesh when shardings_of gives any, else read as host arrays and copied to the
-    default device once (uncommitted, like every other load path). Re-saving the model with
-    jaxspec.save writes params.safetensors, which loads faster."""
+    """An orbax `params/` checkpoint (format="orbax", and every directory saved by earlier
+    versions) in `dtype`: into the shardings of a mesh when shardings_of gives any, else read as
+    host arrays and copied to the default device once (uncommitted, like every other load path:
+    jit keys committed arrays apart, so a reloaded model would recompile)."""
     import orbax.checkpoint as ocp
 
     path = (Path(directory) / ORBAX_SUBDIR).absolute()

@@ -188,19 +188,21 @@ def test_saved_dtype_is_kept_by_auto(tmp_path):
     assert {x.dtype for x in jax.tree.leaves(widened.params)} == {np.dtype(np.float32)}
 
 
-def test_directory_saved_with_orbax_still_loads(tmp_path):
-    """Directories saved before params.safetensors hold an orbax checkpoint in params/: they load
-    into the same arrays, which reuse the executables of the model that was saved."""
-    import orbax.checkpoint as ocp
-
+def test_orbax_format_round_trip_and_format_switch(tmp_path):
+    """format="orbax" (params/, the multi-process format and that of earlier versions) loads into
+    the same arrays, which reuse the executables of the saved model; saving again in the other
+    format replaces the files; an unknown format is refused before anything is written."""
     model = demo_model("qwen3_5")
-    saved = jaxspec.save(model, tmp_path / "saved")
-    (saved / "params.safetensors").unlink()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save((saved / "params").absolute(), model.params)
+    saved = jaxspec.save(model, tmp_path / "saved", format="orbax")
+    assert (saved / "params").is_dir() and not (saved / "params.safetensors").exists()
     reloaded = jaxspec.load(saved, **SETTINGS)
     assert_trees_equal(reloaded.params, model.params)
     assert_same_outputs(model, reloaded, prompts())
+    jaxspec.save(model, saved)  # one process: safetensors by default
+    assert (saved / "params.safetensors").is_file() and not (saved / "params").exists()
+    with pytest.raises(ValueError, match=r"format='zarr'.*'safetensors', 'orbax'"):
+        jaxspec.save(model, tmp_path / "other", format="zarr")
+    assert not (tmp_path / "other").exists()
 
 
 # ---- MTP weights through load ------------------------------------------------------------------
