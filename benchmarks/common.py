@@ -327,6 +327,40 @@ def measure_bandwidth(nbytes: int = 4 * GiB, repeats: int = 10) -> dict:
                       "(float32, bfloat16) over random arrays, median of repeats each"}
 
 
+def measure_matmul(n: int = 8192, repeats: int = 10) -> dict:
+    """The bf16 matmul rate (float32 accumulation) of an [n, n] x [n, n] product through XLA, median
+    of `repeats` blocking calls: the ceiling of compute-bound floors (prefill chunks)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = block(jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16))
+    b = block(jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16))
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    block(mm(a, b))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        block(mm(a, b))
+        samples.append(time.perf_counter() - start)
+    seconds = median(samples)
+    return {"n": n, "flop_per_s": 2 * n**3 / seconds, "tflop_per_s": 2 * n**3 / seconds / 1e12,
+            "method": "XLA bf16 [n, n] x [n, n], float32 accumulation, median of repeats"}
+
+
+def step_flops(cfg, weights: dict[str, int], R: int, T: int, context: int, *, itemsize: int = 2,
+               last_only: bool = False) -> float:
+    """Matmul FLOPs of one forward over R x T tokens at `context` cached tokens: 2 per weight
+    element per token (routed experts: top_k of E; the LM head for each row's last token only when
+    last_only, as a prefill chunk), plus attention's two products against the cached context and
+    the causal half of the chunk. GDN's recurrence is left out (small beside the projections)."""
+    head = weights["embed"] if cfg.tie_word_embeddings else weights["lm_head"]
+    experts = weights["experts"] * cfg.num_experts_per_tok / cfg.num_experts if weights["experts"] else 0
+    matmul = 2 * R * T * (weights["rest"] + experts) / itemsize + 2 * R * (1 if last_only else T) * head / itemsize
+    keys = context + (T + 1) / 2
+    attn = len(cfg.attention_layers) * R * T * keys * 4 * cfg.num_attention_heads * cfg.head_dim
+    return matmul + attn
+
+
 def lower_and_compile(makers: dict, threads: int) -> tuple[dict, dict, dict, float]:
     """Lower each `makers[key]()` (a Lowered; tracing is Python and holds the GIL) in this thread and
     hand it at once to a pool that compiles (XLA releases the GIL), so lowering the next executable

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from benchmarks import common, step_times  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
-SMOKE = dict(shapes="demo-qwen3.5", batch=1, ks="1", context=24, repeats=2, traced=2, top=5)
+SMOKE = dict(shapes="demo-qwen3.5", batch=1, ks="1", context=24, repeats=2, traced=2, top=5, prefill_chunks="16")
 
 
 def parse(argv=None):
@@ -42,7 +42,11 @@ def parse(argv=None):
     p.add_argument("--traced", type=int, default=10, help="calls of each step inside the trace")
     p.add_argument("--top", type=int, default=12, help="kernels listed per step")
     p.add_argument("--trace-dir", default=None, help="keep the raw traces here (default: a temporary directory)")
+    p.add_argument("--prefill-chunks", default="",
+                   help="also profile the engine's prefill executable of one request at these chunk sizes "
+                        "(comma list; its floor is the larger of bytes / bandwidth and FLOPs / matmul rate)")
     args = common.parse_args(p, argv, SMOKE)
+    args.chunk_list = common.int_list(args.prefill_chunks) if args.prefill_chunks else []
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
     if args.batch > args.engine["max_num_seqs"]:
         raise SystemExit(f"--batch {args.batch}: at most max_num_seqs={args.engine['max_num_seqs']}")
@@ -118,6 +122,7 @@ def main(argv=None) -> int:
     _, inputs = step_times._batch_inputs(model, eng, R, ks, args.context)
     st = {"caches": eng.caches, "state": step_times.loop_state(eng, R, args.context)}
     weights = common.params_bytes_by_kind(cfg, args.dtype)
+    itemsize = 2 if args.dtype == "bfloat16" else 4
     bw = common.measure_bandwidth(4 * common.GiB if not args.smoke else common.GiB // 32)
     forward = jax.jit(functools.partial(_forward_argmax, cfg=cfg, ecfg=ecfg, kernels=eng.kernels),
                       donate_argnums=(1, 2))
@@ -151,6 +156,20 @@ def main(argv=None) -> int:
             return emitted
         return call, steps
 
+    def prefill_call(C):
+        """The engine's prefill chunk of one request (slot 1): C prompt tokens after --context cached
+        ones; the loop state carries over, so every call rewrites the same positions."""
+        from jaxspec.engine import prefill_executable
+
+        run = prefill_executable(cfg, ecfg, eng.kernels)
+        tokens = jax.device_put(rng.integers(0, 1000, (1, C)).astype(np.int32))
+        meta = [jax.device_put(np.array(v, np.int32)) for v in ([args.context], [C], [1])]
+
+        def call():
+            token, st["caches"], st["state"] = run(model.params, st["caches"], st["state"], tokens, *meta)
+            return token
+        return call, 1
+
     from jaxspec.speculative.drafters import NoDrafter
 
     pad = model.decode_pad
@@ -164,6 +183,8 @@ def main(argv=None) -> int:
         plan.append((f"verify round k={k} T={1 + k}", 1 + k, round_call(k)))
         if 1 + k != 2:  # T = 2 is timed above
             plan.append((f"forward+argmax T={1 + k}", 1 + k, (forward_call(1 + k), 1)))
+    plan += [(f"prefill chunk C={C} (one request)", -C, prefill_call(C)) for C in args.chunk_list]
+    mm = common.measure_matmul(8192 if not args.smoke else 256) if args.chunk_list else None
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-")
     budget = common.Budget(args.budget_s)
     for label, T, (call, steps) in plan:
@@ -175,11 +196,19 @@ def main(argv=None) -> int:
         except Exception as e:
             res.error(label, e)
             continue
-        item["floor_ms"] = common.step_bytes(cfg, weights, R, T, args.context)["floor"] / bw["bytes_per_s"] * 1e3
+        if T < 0:  # a prefill chunk of -T tokens, one request: bytes or FLOPs bound, whichever is slower
+            flops = common.step_flops(cfg, weights, 1, -T, args.context, itemsize=itemsize, last_only=True)
+            item.update(tokens=-T, flops=flops, compute_floor_ms=flops / mm["flop_per_s"] * 1e3,
+                        bytes_floor_ms=common.step_bytes(cfg, weights, 1, -T, args.context, itemsize)["floor"]
+                        / bw["bytes_per_s"] * 1e3)
+            item["floor_ms"] = max(item["compute_floor_ms"], item["bytes_floor_ms"])
+        else:
+            item["floor_ms"] = common.step_bytes(cfg, weights, R, T, args.context, itemsize)["floor"] \
+                / bw["bytes_per_s"] * 1e3
         res.add(item)
         log(f"{label}: pipelined {item['pipelined_ms']:.3f} ms, device busy {fmt(item['device_busy_ms'], 3)} ms, "
             f"{item['kernels_per_step']:.0f} kernels")
-    res.data.update(shape=name, layers=hf["num_hidden_layers"], batch=R, context=args.context, bandwidth=bw,
+    res.data.update(shape=name, layers=hf["num_hidden_layers"], batch=R, context=args.context, bandwidth=bw, matmul=mm,
                     kernels=eng.kernels, trace_dir=trace_root)
     res.finish()
     print_tables(res)
