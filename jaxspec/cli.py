@@ -34,6 +34,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + generation, in tokens")
     p.add_argument("--max-num-seqs", type=_positive("max-num-seqs"), default=8, help="requests decoded together")
     p.add_argument("--prefill-chunk", type=_positive("prefill-chunk"), default=64, help="prefill chunk (tokens)")
+    p.add_argument("--prefill-rows", type=_positive("prefill-rows"), default=1,
+                   help="requests admitted together whose prompt chunks share one prefill call")
     p.add_argument("--k-mode", default="per_k", choices=["per_k", "pad_to_max"],
                    help="one verify executable per k, or every k padded to the largest")
     p.add_argument("--rounds-per-dispatch", type=_positive("rounds-per-dispatch"), default=1,
@@ -106,6 +108,7 @@ def _load(args, path=None, k_values=()):
     max_k = max(k_values) if args.k_mode == "pad_to_max" and k_values else 0
     return jaxspec.load(path or args.model, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
+                        prefill_rows=args.prefill_rows,
                         max_num_speculative_tokens=max_k, k_mode=args.k_mode,
                         rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ahead=args.dispatch_ahead,
                         num_kv_pages=args.num_kv_pages, tensor_parallel_size=args.tensor_parallel_size,

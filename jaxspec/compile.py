@@ -227,8 +227,9 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
     def engine_entries(k, prefill: bool):
         add(Bucket("allocate", 0, 0, engine_k(k)))
         add(Bucket("set_sampling", 1, 0, engine_k(k)))
-        if prefill:
-            add(Bucket("prefill", 1, chunk, engine_k(k)))
+        if prefill:  # one request per call, and Model.prefill_rows of them for waves of admissions
+            for rows in sorted({1, model.prefill_rows}):
+                add(Bucket("prefill", rows, chunk, engine_k(k)))
 
     pad = model.decode_pad  # plain decode steps carry `pad` inert columns (Model.decode_pad)
     engine_entries(pad, True)
@@ -321,17 +322,18 @@ def _engine_args(model, ecfg):
     return model.params, cache.cache_shapes(model.config, ecfg, model.dtype), _loop_state(ecfg)
 
 
-def lower_prefill(model, ecfg, C: int, with_hidden: bool = False, taps: tuple[int, ...] = ()):
-    """The prefill chunk executable of an engine (also a drafter's own prefill; with taps, the
-    prefill that hands a tap drafter its layers' hidden states)."""
+def lower_prefill(model, ecfg, C: int, with_hidden: bool = False, taps: tuple[int, ...] = (), rows: int = 1):
+    """The prefill chunk executable of an engine for `rows` requests' chunks (also a drafter's own
+    prefill; with taps, the prefill that hands a tap drafter its layers' hidden states)."""
     import jax.numpy as jnp
 
     from jaxspec import ops
     from jaxspec.engine import prefill_executable
 
     fn = prefill_executable(model.config, ecfg, ops.resolve_kernels(model.kernels), with_hidden, tuple(taps))
-    one = _shape((1,), jnp.int32)
-    return fn.lower(*_placed(model, (*_engine_args(model, ecfg), _shape((1, C), jnp.int32), one, one, one)))
+    per_row = _shape((rows,), jnp.int32)
+    return fn.lower(*_placed(model, (*_engine_args(model, ecfg), _shape((rows, C), jnp.int32), per_row, per_row,
+                                     per_row)))
 
 
 def _lower_set_sampling(model, ecfg):
@@ -374,7 +376,7 @@ def lower_bucket(model, bucket: Bucket, draft_model=None):
     if bucket.name == "set_sampling":
         return _lower_set_sampling(model, ecfg)
     if bucket.name == "prefill":
-        return lower_prefill(model, ecfg, bucket.query_len)
+        return lower_prefill(model, ecfg, bucket.query_len, rows=bucket.num_reqs)
     if bucket.name == "prefill_hidden":
         return lower_prefill(model, ecfg, bucket.query_len, with_hidden=True)
     if bucket.name == "decode" or bucket.name.startswith("verify["):

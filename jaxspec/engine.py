@@ -241,6 +241,44 @@ class Engine:
             pos += len(chunk)
         return token
 
+    def prefill_many(self, jobs: list[tuple[int, list[int]]], rows: int) -> tuple[list[tuple[jax.Array, int]], int]:
+        """Prefill several requests' prompts [(slot, prompt), ...] (sampling settings set first),
+        `rows` chunks per call: each call takes the next chunk of up to `rows` requests that still
+        have one, padded with rows of the null slot 0 that write nothing the slots read. A row's
+        computation is its own, so every request gets the tokens its one-request prefill gives (up
+        to float rounding of the larger matmuls). Returns where each job's first sampled token is,
+        (device array [rows], row: no slicing on device, which would compile), and the number of
+        executable calls."""
+        if rows == 1 or len(jobs) == 1:
+            return [(self.prefill(slot, prompt), 0) for slot, prompt in jobs], \
+                sum(-(-len(prompt) // self.ecfg.prefill_chunk) for _, prompt in jobs)
+        C = self.ecfg.prefill_chunk
+        for slot, prompt in jobs:
+            self.reserve(slot, len(prompt))
+        self.sync_tables()
+        run = prefill_executable(self.cfg, self.ecfg, self.kernels)
+        done = [0] * len(jobs)
+        first: list[tuple[jax.Array, int] | None] = [None] * len(jobs)
+        calls = 0
+        while True:
+            todo = [i for i, (_, prompt) in enumerate(jobs) if done[i] < len(prompt)][:rows]
+            if not todo:
+                return first, calls
+            tokens, meta = np.zeros((rows, C), np.int32), np.zeros((3, rows), np.int32)  # start, num_valid, slot
+            for r, i in enumerate(todo):
+                slot, prompt = jobs[i]
+                chunk = prompt[done[i]:done[i] + C]
+                tokens[r, :len(chunk)] = chunk
+                meta[:, r] = done[i], len(chunk), slot
+            token, self.caches, self.state = run(self.model.params, self.caches, self.state,
+                                                 sharding.put(tokens, self.mesh),
+                                                 *(_device_int32(tuple(int(x) for x in m), self.mesh) for m in meta))
+            calls += 1
+            for r, i in enumerate(todo):
+                done[i] += int(meta[1, r])
+                if done[i] >= len(jobs[i][1]):
+                    first[i] = token, r
+
     def logits(self, slot: int, tokens: list[int], start_pos: int, *, chunk: int | None = None) -> np.ndarray:
         """Float32 logits [len(tokens), V] of tokens fed to the slot from start_pos, in chunks of
         `chunk` (default the prefill chunk; 1 = the one-token verify path)."""

@@ -40,6 +40,7 @@ class Model:
     max_model_len: int = 2048
     max_num_seqs: int = 8
     prefill_chunk: int = 64
+    prefill_rows: int = 1  # requests whose prompt chunks share one prefill call (1 = one request per call)
     page_size: int = 16
     request_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
     max_num_speculative_tokens: int = 0  # sizes GDN state slots; 0 = sized by each call's k
@@ -185,7 +186,7 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
          k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
          rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto",
-         num_kv_pages: int | None = None, tensor_parallel_size: int = 1) -> Model:
+         num_kv_pages: int | None = None, tensor_parallel_size: int = 1, prefill_rows: int = 1) -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
@@ -211,6 +212,11 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     limit, where it reports one); an engine that would exceed it is refused before its caches are
     allocated, with cache.MemoryBudgetError naming the largest component. The plain-decoding engine
     is checked here.
+    prefill_rows: requests admitted together prefill their prompts in one call of prefill_rows x
+    prefill_chunk tokens (rows of requests with nothing left padded), so a wave of short prompts pays
+    the weight read once per call instead of once per request; 1 = one request per call. Drafters that
+    consume the prompt's hidden states (mtp, eagle3, dflash) prefill one request per call. At most
+    max_num_seqs.
     tensor_parallel_size: N devices (of jax.devices(), every process's after
     jaxspec.initialize_distributed) that the model is sharded over: attention and GDN heads, MLP and
     expert intermediate dimensions, the vocabulary, and the caches by heads; every weight is read
@@ -233,6 +239,9 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
         raise ValueError(f"decode_tokens={decode_tokens!r} is not valid; choose 'auto', 1 or 2")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive integer (bytes) or None")
+    if not isinstance(prefill_rows, int) or isinstance(prefill_rows, bool) \
+            or not 1 <= prefill_rows <= (max_num_seqs if isinstance(max_num_seqs, int) else prefill_rows):
+        raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer in 1..max_num_seqs={max_num_seqs}")
     name = str(path_or_name)
     # "demo" / "demo-draft": the shipped trained checkpoints (an error when missing or modified).
     path = demo.trained_demo_dir(name) if name in demo.TRAINED_DEMOS else Path(path_or_name)
@@ -252,7 +261,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
                  prefill_chunk=prefill_chunk)  # validates the sizes
     model = Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,
                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
-                  page_size=page_size, hf_config=hf_config, max_num_speculative_tokens=max_num_speculative_tokens,
+                  prefill_rows=prefill_rows, page_size=page_size, hf_config=hf_config,
+                  max_num_speculative_tokens=max_num_speculative_tokens,
                   k_mode=k_mode, memory_budget=memory_budget, rounds_per_dispatch=rounds_per_dispatch,
                   dispatch_ahead=dispatch_ahead, decode_tokens=decode_tokens, num_kv_pages=num_kv_pages)
     if memory_budget is not None:

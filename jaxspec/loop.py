@@ -140,9 +140,12 @@ class Loop:
         pending.extend(requests)
         while pending or self.active or self.inflight:
             self.retire()  # first, so a slot freed by the last results is reused at once
+            wave = []
             while pending and self.engine.free_slots and self.fits(pending[0]):
-                req = pending.popleft()
-                yield req.index, self.admit(req)
+                wave.append(self.start(pending.popleft()))
+            if wave:
+                for req, kept in self.admit(wave):
+                    yield req.index, kept
                 self.retire()  # a request may end on its first token
             running = [r for r in self.active if not r.finish_reason]
             if running and len(self.inflight) <= self.ahead:
@@ -168,24 +171,38 @@ class Loop:
         need = min(len(req.prompt) + len(req.generated) + self.horizon(1), req.limit)
         return -(-need // eng.ecfg.page_size) <= eng.pages.num_free
 
-    def admit(self, req: Request) -> list[int]:
-        """Slot, sampling settings, prompt prefill (its first token read back: once per request),
-        drafter admission. A preempted request prefills its prompt plus the tokens it already
-        returned. Returns the new token (or nothing, if it already stopped)."""
+    def start(self, req: Request) -> Request:
+        """Slot, sampling settings and the prompt's pages (so the next request's fit sees them
+        taken). A preempted request prefills its prompt plus the tokens it already returned."""
         eng = self.engine
         req.slot = eng.acquire_slot()
         req.epoch += 1
         self.active.append(req)
         eng.set_sampling(req.slot, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                          request_id=req.index)
-        hook = self.session.prefill_hook
-        tokens = req.prompt + req.generated
-        first = eng.prefill(req.slot, tokens, hook(req) if hook else None, taps=self.session.taps)
-        self.stats.prefill_steps += -(-len(tokens) // eng.ecfg.prefill_chunk)
-        kept = req.extend([int(np.asarray(first)[0])])
-        if not req.finish_reason:
-            self.session.admit(req)
-        return kept
+        eng.reserve(req.slot, len(req.prompt) + len(req.generated))
+        return req
+
+    def admit(self, wave: list[Request]) -> list[tuple[Request, list[int]]]:
+        """Prefill the started requests (Model.prefill_rows of them per call, or one at a time when
+        the drafter consumes each prompt's hidden states), read their first tokens back (once per
+        request), then the drafter's admission. Returns each request with its new token (or
+        nothing, if it already stopped)."""
+        eng, hook = self.engine, self.session.prefill_hook
+        if hook is None and not self.session.taps:
+            firsts, calls = eng.prefill_many([(r.slot, r.prompt + r.generated) for r in wave], self.model.prefill_rows)
+        else:
+            firsts = [(eng.prefill(r.slot, r.prompt + r.generated, hook(r) if hook else None, taps=self.session.taps),
+                       0) for r in wave]
+            calls = sum(-(-(len(r.prompt) + len(r.generated)) // eng.ecfg.prefill_chunk) for r in wave)
+        self.stats.prefill_steps += calls
+        out = []
+        for req, (first, row) in zip(wave, firsts, strict=True):
+            kept = req.extend([int(np.asarray(first)[row])])
+            if not req.finish_reason:
+                self.session.admit(req)
+            out.append((req, kept))
+        return out
 
     def dispatch(self, running: list[Request]) -> None:
         """Enqueue `steps` rounds for the running requests without waiting for anything."""

@@ -18,9 +18,10 @@ import jaxspec
 from jaxspec import compile as jc
 from jaxspec.compile import count_compiles
 
-# Two rounds per dispatch: the multi-step executables are in the table and served from the cache too.
+# Two rounds per dispatch and two prompts per prefill call: the multi-step and two-row prefill
+# executables are in the table and served from the cache too.
 MODEL = ["--model", "demo:qwen3", "--max-model-len", "48", "--max-num-seqs", "2", "--prefill-chunk", "16",
-         "--rounds-per-dispatch", "2"]
+         "--rounds-per-dispatch", "2", "--prefill-rows", "2"]
 REPO = Path(__file__).resolve().parents[1]
 
 GENERATE_SCRIPT = """
@@ -30,7 +31,7 @@ from jaxspec.compile import count_compiles
 cache = sys.argv[1] if sys.argv[1] != "none" else None
 with count_compiles() as c:
     m = jaxspec.load("demo:qwen3", max_model_len=48, max_num_seqs=2, prefill_chunk=16, cache_dir=cache,
-                     rounds_per_dispatch=2)
+                     rounds_per_dispatch=2, prefill_rows=2)
     spec = jaxspec.SpeculativeConfig("ngram", 2)
     r = jaxspec.generate(m, ["abcabcab", "hello"], max_new_tokens=6, speculative=spec)
     p = jaxspec.generate(m, ["xyz"], max_new_tokens=4)

@@ -24,8 +24,8 @@ POOL = 1 + 14  # 56 positions: any one request fits (<= 13 + 40), two at full le
 
 
 @functools.cache
-def target(num_kv_pages: int | None = None) -> jaxspec.Model:
-    model = jaxspec.load("demo", num_kv_pages=num_kv_pages, **SETTINGS)
+def target(num_kv_pages: int | None = None, prefill_rows: int = 1) -> jaxspec.Model:
+    model = jaxspec.load("demo", num_kv_pages=num_kv_pages, prefill_rows=prefill_rows, **SETTINGS)
     return dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
 
 
@@ -58,6 +58,28 @@ def test_preempted_requests_finish_with_their_own_output(method):
     assert f"{result.stats.preemptions} preemptions" in result.stats.summary()
     assert tuple(map(tuple, result.token_ids)) == alone(method)
     assert_idle(small)
+
+
+@pytest.mark.parametrize("method", [None, "draft_model", "mtp"])
+def test_admission_waves_prefill_two_prompts_per_call(method):
+    """prefill_rows=2: the requests admitted together prefill in shared calls (padded with null
+    rows when one prompt runs out), through preemption and re-admission too; every output equals
+    the request alone. MTP consumes each prompt's hidden states, so it prefills one per call."""
+    model = target(POOL, prefill_rows=2)
+    result = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=speculative(method))
+    assert tuple(map(tuple, result.token_ids)) == alone(method)
+    one_per_call = jaxspec.generate(target(POOL), PROMPTS[:2], max_new_tokens=1).stats.prefill_steps
+    two_per_call = jaxspec.generate(model, PROMPTS[:2], max_new_tokens=1,
+                                    speculative=speculative(method)).stats.prefill_steps
+    assert (two_per_call == one_per_call) if method == "mtp" else (two_per_call < one_per_call)
+    assert_idle(model)
+
+
+def test_bad_prefill_rows_is_refused_before_loading():
+    for value, message in ((0, "prefill_rows=0 must be an integer in 1..max_num_seqs=2"),
+                           (3, "prefill_rows=3 must be"), (True, "prefill_rows=True")):
+        with pytest.raises(ValueError, match=message):
+            jaxspec.load("demo", prefill_rows=value, **SETTINGS)
 
 
 def test_preemption_keeps_seeded_sampling():
