@@ -91,17 +91,38 @@ def config_from_json(d: dict) -> DFlashConfig:
     return DFlashConfig(layer=layer, taps=tuple(ids), block_size=block, mask_token_id=dc["mask_token_id"])
 
 
+def _spec(cfg: DFlashConfig) -> dict:
+    """{params path: (HF name, HF shape)} of a drafter (heads.load_spec)."""
+    H, n = cfg.layer.hidden_size, len(cfg.taps)
+    spec = {("fc",): ("fc.weight", (H, n * H)), ("hidden_norm",): ("hidden_norm.weight", (H,)),
+            ("norm",): ("norm.weight", (H,))}
+    for i in range(cfg.layer.num_hidden_layers):
+        spec.update({("layers", i, *k): v for k, v in heads.layer_spec(cfg.layer, f"layers.{i}.", H, True).items()})
+    return spec
+
+
 def load(path, dtype: str = "auto") -> heads.Head:
     """A DFlash drafter from a checkpoint directory (the published layout, module docstring). dtype:
     "auto" (config torch_dtype), "float32" or "bfloat16"; the session casts to the target's dtype."""
     path = Path(path)
     d, cfg, src = heads.open_checkpoint(path, config_from_json)
-    H, n = cfg.layer.hidden_size, len(cfg.taps)
-    params = heads.load_spec(src, {("fc",): ("fc.weight", (H, n * H)), ("hidden_norm",): ("hidden_norm.weight", (H,)),
-                                   ("norm",): ("norm.weight", (H,))})
-    params["layers"] = [heads.load_spec(src, heads.layer_spec(cfg.layer, f"layers.{i}.", H, qk_norm=True))
-                        for i in range(cfg.layer.num_hidden_layers)]
+    params = heads.load_spec(src, _spec(cfg))
+    params["layers"] = [params["layers"][i] for i in range(cfg.layer.num_hidden_layers)]
     return heads.finish("dflash", cfg, params, src, path, d, dtype)
+
+
+def save(params: dict, cfg: DFlashConfig, directory, dtype: str | None = None) -> Path:
+    """Writes a drafter (params in the layout load gives, e.g. a Head's .params) to `directory` in the
+    published layout (module docstring), which load reads back exactly. dtype: "float32" /
+    "bfloat16", or None for the params' own float dtype."""
+    name, np_dtype = heads.storage_dtype(params, dtype)
+    n = cfg.layer.num_hidden_layers
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **heads.layer_config_json(cfg.layer),
+              "layer_types": ["full_attention"] * n, "is_causal": False, "block_size": cfg.block_size,
+              "dflash_config": {"target_layer_ids": list(cfg.taps), "mask_token_id": cfg.mask_token_id,
+                                "block_size": cfg.block_size},
+              "torch_dtype": name}
+    return heads.write_checkpoint(directory, config, heads.export_spec(params, _spec(cfg), np_dtype))
 
 
 def draft_params(head: heads.Head, target_params: dict, dtype, abstract: bool = False) -> dict:
