@@ -270,18 +270,22 @@ class DFlashDrafter:
 
 # ---- dense forward (training, offline checks) --------------------------------------------------------
 
-def train_block_logits(dparams: dict, cfg: DFlashConfig, tied: bool, taps, ctx_len, block_tokens, block_start):
+def train_block_logits(dparams: dict, cfg: DFlashConfig, tied: bool, taps, ctx_len, block_tokens, block_start,
+                       block_len=None):
     """float32 logits [B, T, V] of blocks over a dense context: taps [B, Tc, n H] at positions 0 ..
     Tc - 1 of which the first ctx_len [B] are context, block_tokens [B, T] at positions block_start
     [B] + t (row 0 the last known token, then mask tokens; row t >= 1 predicts the token at
-    block_start + t). dparams as draft_params gives them. Differentiable; nothing here jits."""
+    block_start + t). block_len [B] (default T): the rows t < block_len form the block, later rows
+    are padding that no row attends to (the engine's shorter block of k + 1 rows at k < T - 1).
+    dparams as draft_params gives them. Differentiable; nothing here jits."""
     hp = dparams["head"]
     B, Tc = taps.shape[:2]
     T = block_tokens.shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(Tc, dtype=jnp.int32), (B, Tc))
     positions = block_start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     ctx = context_kv(hp, cfg, context(hp, cfg, taps), ctx_pos)
-    visible = jnp.concatenate([ctx_pos < ctx_len[:, None], jnp.ones((B, T), bool)], axis=1)  # [B, Tc + T]
+    rows = jnp.arange(T)[None, :] < (T if block_len is None else block_len[:, None])
+    visible = jnp.concatenate([ctx_pos < ctx_len[:, None], jnp.broadcast_to(rows, (B, T))], axis=1)  # [B, Tc + T]
     lc = cfg.layer
     group = lc.num_attention_heads // lc.num_key_value_heads
 
