@@ -195,7 +195,7 @@ def test_pip_install_ships_the_demo_models(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
                     "--target", str(target), str(src)], check=True, timeout=600)
     installed = target / "jaxspec" / "demo_models"
-    for sub in demo.TRAINED_DEMOS.values():
+    for sub in (*demo.TRAINED_DEMOS.values(), *_shipped_heads()):
         assert demo.verify_trained_dir(installed, sub) == installed / sub
     assert (installed / "metrics.json").is_file()
 

@@ -203,10 +203,10 @@ def _eagle3_chain_argmax(hp, ecfg, embed, tapped, tokens, steps: int):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _dflash_block_argmax(dparams, dcfg, tied: bool, taps, block, start, block_len):
+def _dflash_block_argmax(dparams, dcfg, tied: bool, tapped, rows, block, start, block_len):
     """Drafts [R, T-1] of blocks [R, T] (the first block_len [R] rows real) at positions start [R]
-    over context taps [R, Tc, n H] before start."""
-    logits = dflash.train_block_logits(dparams, dcfg, tied, taps, start, block, start, block_len)
+    over the context before start of sequences rows [R] (taps tapped [P, Tc, n H])."""
+    logits = dflash.train_block_logits(dparams, dcfg, tied, tapped[rows], start, block, start, block_len)
     return jnp.argmax(logits[:, 1:], axis=-1)
 
 
@@ -214,6 +214,7 @@ def dflash_drafts(target, head, tapped: np.ndarray, seq: np.ndarray, L0: int) ->
     """{k: [P, T, k] drafts of the k + 1-row block at each position L0 .. T - 1 of seq [P, T]};
     tapped [P, T, n H] the drafter's taps. One executable: every block padded to block_size rows."""
     (cfg, params), (dcfg, hp) = target, head
+    tapped = jnp.asarray(tapped)  # on the device once; each call gathers its rows there
     pairs = [(p, t) for p in range(len(seq)) for t in range(L0, seq.shape[1])]
     pairs += [pairs[-1]] * (-len(pairs) % BLOCK_ROWS)
     dparams = {"head": hp, "embed": params["embed"], **({"lm_head": params["lm_head"]} if "lm_head" in params else {})}
@@ -222,11 +223,10 @@ def dflash_drafts(target, head, tapped: np.ndarray, seq: np.ndarray, L0: int) ->
         rows, pos = (np.asarray(x) for x in zip(*pairs[i:i + BLOCK_ROWS], strict=True))
         block = np.full((len(rows), dcfg.block_size), dcfg.mask_token_id, np.int32)
         block[:, 0] = seq[rows, pos]
-        ctx = jnp.asarray(tapped[rows])
         for k, drafts in out.items():
             drafts[rows, pos] = np.asarray(_dflash_block_argmax(
-                dparams, dcfg, cfg.tie_word_embeddings, ctx, jnp.asarray(block), jnp.asarray(pos, jnp.int32),
-                jnp.full(len(rows), k + 1, jnp.int32)))[:, :k]
+                dparams, dcfg, cfg.tie_word_embeddings, tapped, jnp.asarray(rows), jnp.asarray(block),
+                jnp.asarray(pos, jnp.int32), jnp.full(len(rows), k + 1, jnp.int32)))[:, :k]
     return out
 
 
