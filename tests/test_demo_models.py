@@ -1,8 +1,9 @@
 """The shipped trained demo pair (jaxspec/demo_models, written by tools/train_demo.py): it loads in
 HF transformers with the same greedy output as jaxspec; speculative greedy with the shipped draft
-equals plain greedy with acceptance above a recorded floor; SHA256SUMS rejects a modified file; a
-non-editable install carries the files; the random demos keep their names. Plus tools/train_demo.py
---tiny end to end."""
+equals plain greedy with acceptance above a recorded floor; so do the target's MTP head and, where
+this installation ships them, its EAGLE-3 and DFlash drafters ("demo-eagle3", "demo-dflash"), with
+floors read from metrics.json; SHA256SUMS rejects a modified file; a non-editable install carries
+the files; the random demos keep their names. Plus tools/train_demo.py --tiny end to end."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec import demo
+from jaxspec.speculative import dflash, eagle3
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -37,8 +40,13 @@ K = 4
 # the files, set it again from that pair's measured value (the test prints it).
 # H200-trained pair (2026-11-29): measured 0.213; a broken drafter or rollback gives about 0.
 DEMO_DRAFT_ACCEPTANCE_FLOOR = 0.15
-MAX_TOTAL_MODEL_BYTES = 20_000_000  # both model.safetensors together
-MAX_FILE_BYTES = 16_000_000
+# The target's drafters: k of the test and the fraction of the held-out acceptance (metrics.json's
+# acceptance_by_position, mean over the k positions) that these prompts must reach; a broken drafter
+# or rollback gives about 0.
+HEAD_K = {"mtp": 4, "eagle3": 4, "dflash": 7}
+HEAD_FLOOR_FRACTION = 0.5
+MAX_SHIPPED_BYTES = 40_000_000  # everything under jaxspec/demo_models/
+MAX_FILE_BYTES = 30_000_000
 SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=128, max_num_seqs=4, prefill_chunk=32)
 
 
@@ -59,10 +67,16 @@ def test_shipped_files_verify_and_fit():
         for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json"):
             assert (directory / f).is_file() and (directory / f).stat().st_size < MAX_FILE_BYTES, f
-    sizes = [(demo.TRAINED_ROOT / sub / "model.safetensors").stat().st_size for sub in demo.TRAINED_DEMOS.values()]
-    assert sum(sizes) <= MAX_TOTAL_MODEL_BYTES
+    for name in _shipped_heads():
+        assert demo.trained_head_dir(f"demo-{name}") == demo.TRAINED_ROOT / name
+    assert sum(p.stat().st_size for p in demo.TRAINED_ROOT.rglob("*") if p.is_file()) <= MAX_SHIPPED_BYTES
     metrics = json.loads((demo.TRAINED_ROOT / "metrics.json").read_text())
     assert {"heldout", "greedy_agreement", "tau"} <= set(metrics)
+
+
+def _shipped_heads() -> list[str]:
+    """The tap drafters of the demo target that this installation ships."""
+    return [name for name in ("eagle3", "dflash") if (demo.TRAINED_ROOT / name).is_dir()]
 
 
 def test_trained_pair_configs(target):
@@ -102,6 +116,26 @@ def test_speculative_greedy_equals_plain_with_acceptance_floor(target, plain):
     stats = result.stats
     print(f"shipped demo pair, k={K}: acceptance {stats.acceptance_rate:.3f}, tau {stats.tau:.2f}")
     assert stats.acceptance_rate >= DEMO_DRAFT_ACCEPTANCE_FLOOR, stats.summary()
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
+def test_target_drafters_greedy_equal_plain_with_acceptance_floor(target, plain, method):
+    """The MTP head (k > 1: its second, recursive training stage) and the shipped tap drafters by
+    their demo names; the floor is a fraction of what metrics.json measured on held-out prompts."""
+    if method != "mtp" and method not in _shipped_heads():
+        pytest.skip(f"this installation ships no {method} drafter for the demo target")
+    measured = json.loads((demo.TRAINED_ROOT / "metrics.json").read_text()).get("acceptance_by_position", {})
+    if method not in measured:
+        pytest.skip(f"metrics.json has no held-out acceptance of {method} (a demo trained before it was measured)")
+    k = HEAD_K[method]
+    floor = HEAD_FLOOR_FRACTION * float(np.mean(measured[method][str(k)]))
+    spec = jaxspec.SpeculativeConfig(method, k, draft_model=None if method == "mtp" else f"demo-{method}")
+    result = jaxspec.generate(target, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=spec)
+    assert result.token_ids == plain
+    stats = result.stats
+    print(f"shipped demo {method}, k={k}: acceptance {stats.acceptance_rate:.3f} (floor {floor:.3f}), "
+          f"by position {stats.accepted_by_position}, tau {stats.tau:.2f}")
+    assert stats.acceptance_rate >= floor, stats.summary()
 
 
 def _flip_byte(path: Path) -> None:
@@ -161,31 +195,42 @@ def test_pip_install_ships_the_demo_models(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
                     "--target", str(target), str(src)], check=True, timeout=600)
     installed = target / "jaxspec" / "demo_models"
-    for sub in demo.TRAINED_DEMOS.values():
+    for sub in (*demo.TRAINED_DEMOS.values(), *_shipped_heads()):
         assert demo.verify_trained_dir(installed, sub) == installed / sub
     assert (installed / "metrics.json").is_file()
 
 
 def test_train_demo_tiny_end_to_end(tmp_path):
-    """tools/train_demo.py --tiny trains both models a few steps and writes loadable checkpoints."""
+    """tools/train_demo.py --tiny trains every stage a few steps (target, draft, the second MTP stage,
+    EAGLE-3, DFlash) and writes loadable, checksummed checkpoints and metrics."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "tools" / "train_demo.py"), "--out", str(out), "--tiny",
-           "--target-steps", "3", "--draft-steps", "3", "--log-every", "1"]
+    stages = ("target", "draft", "mtp", "eagle3", "dflash")
+    cmd = [sys.executable, str(ROOT / "tools" / "train_demo.py"), "--out", str(out), "--tiny", "--log-every", "1",
+           *[arg for stage in stages for arg in (f"--{stage}-steps", "3")]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "[target] step 3/3 loss" in proc.stdout and "[draft] step 3/3 loss" in proc.stdout
+    for stage in stages:
+        assert f"[{stage}] step 3/3 " in proc.stdout, stage
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["training"]["target"]["steps"] == 3 and len(metrics["loss_curves"]["draft"]) == 3
-    for name in ("target", "draft"):  # the kept params are the best validation check's
+    for name in stages:  # the kept params are the best validation check's
         record, checks = metrics["training"][name], metrics["val_curves"][name]
         assert [c["step"] for c in checks] == [3] and record["kept_step"] == 3
         assert record["val_loss"] == checks[0]["val_loss"] and math.isfinite(record["val_loss"])
     assert "validation loss" in proc.stdout
-    assert set(metrics["tau"]) == {"draft_model", "ngram", "mtp"} and set(metrics["tau"]["ngram"]) == {"2", "4", "8"}
+    assert set(metrics["tau"]) == {"draft_model", "ngram", "mtp", "eagle3", "dflash"}
+    assert set(metrics["tau"]["ngram"]) == {"2", "4", "7"} and set(metrics["tau"]["dflash"]) == {"2", "4", "7", "15"}
+    assert [len(a) for a in metrics["acceptance_by_position"]["eagle3"].values()] == [2, 4, 7]
+    models = {}
     for sub in ("target", "draft"):
         demo.verify_trained_dir(out, sub)
-        model = jaxspec.load(out / sub, dtype="float32", kernels="xla", max_model_len=64)
+        models[sub] = model = jaxspec.load(out / sub, dtype="float32", kernels="xla", max_model_len=64)
         assert model.config.model_type == "qwen3_5_text" and model.tokenizer is not None
         assert ("mtp" in model.params) == (sub == "target")
         hf_config = json.loads((out / sub / "config.json").read_text())
         assert hf_config["torch_dtype"] == "bfloat16" and hf_config["tie_word_embeddings"]
+    target_cfg = models["target"].config
+    e, d = eagle3.load(demo.verify_trained_dir(out, "eagle3")), dflash.load(demo.verify_trained_dir(out, "dflash"))
+    assert e.config.draft_vocab_size < target_cfg.vocab_size and len(set(e.config.taps(target_cfg))) == 3
+    assert d.config.block_size == 16 and d.config.taps == e.config.taps(target_cfg)
+    assert all(x.dtype == np.dtype("bfloat16") for x in jax.tree_util.tree_leaves(d.params))

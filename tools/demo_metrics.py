@@ -3,10 +3,14 @@
 - heldout: bits per UTF-8 byte and nats per token of target and draft on held-out files (targets
   that are special tokens are left out), and the MTP head's top-1 accuracy for token t+2.
 - greedy_agreement: how often the draft's argmax equals the target's, teacher-forced on held-out text.
-- tau: simulated greedy speculative decoding (mean tokens per verify, bonus included) at k = 2, 4, 8
-  for draft_model and ngram, and k = 1 for the MTP head. Exact for greedy decoding: the target's
-  greedy continuation y of held-out prompts is computed once; while drafts match y the drafter's
-  input is exactly prompt + y, so one teacher-forced pass over prompt + y decides every round.
+- tau and acceptance_by_position: simulated greedy speculative decoding (mean tokens per verify,
+  bonus included; per draft position the fraction of rounds that accepted it) at k = 2, 4, 7 for
+  ngram, draft_model, mtp and eagle3 and k = 2, 4, 7, 15 for dflash. Exact for greedy decoding: the
+  target's greedy continuation y of held-out prompts is computed once; while drafts match y a
+  drafter's input is exactly prompt + y, so teacher-forced passes over prompt + y decide every round:
+  one forward for the draft model, the chain passes of the MTP and EAGLE-3 heads (pass j row t is
+  draft j + 1 of the chain after row t - j, train.mtp_chain_hidden / eagle3.train_chain), and one
+  block per position and k for DFlash (its non-causal block depends on k).
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import train
+from jaxspec.models.model import logits_from_hidden
+from jaxspec.speculative import dflash, eagle3
 
-K_VALUES = (2, 4, 8)
+K_VALUES = (2, 4, 7)
+DFLASH_K_VALUES = (2, 4, 7, 15)
+BLOCK_ROWS = 256  # DFlash blocks per evaluation call
 NGRAM_MIN, NGRAM_MAX = 1, 4  # SpeculativeConfig's prompt_lookup defaults
 
 
@@ -50,9 +58,13 @@ def token_bytes(tok, specials: dict) -> np.ndarray:
 
 
 def bf16_round(params):
-    """What the shipped bf16 checkpoint holds, as float32."""
-    return jax.tree_util.tree_map(
-        lambda x: jnp.asarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)), params)
+    """What the shipped bf16 checkpoint holds, as float32 (integer leaves as they are)."""
+    def rounded(x):
+        x = np.asarray(x)
+        return jnp.asarray(x if x.dtype.kind in "iub" else x.astype(np.float32).astype(ml_dtypes.bfloat16)
+                           .astype(np.float32))
+
+    return jax.tree_util.tree_map(rounded, params)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
@@ -112,15 +124,17 @@ def ngram_propose(history: list[int], k: int) -> list[int]:
     return [int(h[-1])] * k
 
 
-def simulate_tau(y: list[int], accepted_at) -> float:
+def simulate(y: list[int], accepted_at, k: int) -> tuple[float, list[int], int]:
     """Greedy rounds over the target's continuation y (y[0] comes from prefill): at `pos`,
     accepted_at(pos) drafts are accepted and the round emits min(accepted + 1, len(y) - pos) tokens.
-    Returns tokens emitted per round (bonus included)."""
-    pos, rounds, emitted = 1, 0, 0
+    Returns (tokens emitted per round (bonus included), rounds that accepted draft i, rounds)."""
+    pos, rounds, emitted, by_position = 1, 0, 0, [0] * k
     while pos < len(y):
-        e = min(accepted_at(pos) + 1, len(y) - pos)
+        a = accepted_at(pos)
+        e = min(a + 1, len(y) - pos)
         pos, rounds, emitted = pos + e, rounds + 1, emitted + e
-    return emitted / max(rounds, 1)
+        by_position = [c + (a > i) for i, c in enumerate(by_position)]
+    return emitted / max(rounds, 1), by_position, rounds
 
 
 def leading_matches(proposal: list[int], y: list[int], pos: int) -> int:
@@ -130,41 +144,152 @@ def leading_matches(proposal: list[int], y: list[int], pos: int) -> int:
     return n
 
 
-def prompt_taus(full: list[int], L0: int, y: list[int], match: list[bool], mtp_hit: list[bool]) -> dict:
-    """tau per method and k for one prompt. full = prompt + continuation; y = the continuation (cut
-    after an end-of-text token); match[t]: the draft's argmax at t equals full[t+1]; mtp_hit[t]: the
-    MTP head's row t equals full[t+2]."""
+def chain_accepted(hits: np.ndarray, row: int, k: int) -> int:
+    """Leading accepted drafts of a chain after exact row `row`: hits [passes, T] (pass j row t is right)."""
+    n = 0
+    while n < k and row + n < hits.shape[1] and hits[n, row + n]:
+        n += 1
+    return n
+
+
+def prompt_taus(full: list[int], L0: int, y: list[int], draws: dict) -> dict:
+    """{method: {k: simulate(...)}} for one prompt. full = prompt + continuation; y = the
+    continuation (cut after an end-of-text token). draws: "match" [T] (the draft's argmax at t equals
+    full[t+1]); "mtp" / "eagle3" hits [passes, T] (chain pass j row t equals full[t+2]); "dflash"
+    {k: [T, k] block drafts at each position}. A round at pos (last committed token y[pos-1] at
+    a = L0 + pos - 1) takes the draft model's rows a.., the chain after row a - 1 (it reads the hidden
+    state at a - 1 and token a, and predicts a + 1 = y[pos]), the DFlash block at a. Drafts past the
+    end of y are not counted."""
+    match = draws["match"]
+
     def draft_accepted(pos: int, k: int) -> int:  # drafts for y[pos..] come from rows L0+pos-1..
         n, t = 0, L0 + pos - 1
-        while n < k and t + n < len(match) and match[t + n]:
+        while n < min(k, len(y) - pos) and t + n < len(match) and match[t + n]:
             n += 1
         return n
 
-    out = {"draft_model": {}, "ngram": {}}
-    for k in K_VALUES:
-        out["draft_model"][k] = simulate_tau(y, lambda pos, k=k: draft_accepted(pos, k))
-        out["ngram"][k] = simulate_tau(y, lambda pos, k=k: leading_matches(ngram_propose(full[:L0 + pos], k), y, pos))
-    # MTP row a-1 (a = position of the last committed token y[pos-1]) predicts the token at a+1 = y[pos].
-    out["mtp"] = {1: simulate_tau(y, lambda pos: int(mtp_hit[L0 + pos - 2]))}
+    def block_accepted(pos: int, k: int) -> int:
+        return leading_matches(draws["dflash"][k][L0 + pos - 1].tolist(), y, pos)
+
+    methods = {"draft_model": (draft_accepted, K_VALUES),
+               "ngram": (lambda pos, k: leading_matches(ngram_propose(full[:L0 + pos], k), y, pos), K_VALUES)}
+    for name in ("mtp", "eagle3"):
+        if name in draws:
+            methods[name] = (lambda pos, k, h=draws[name]: chain_accepted(h, L0 + pos - 2, min(k, len(y) - pos)),
+                             K_VALUES)
+    if "dflash" in draws:
+        methods["dflash"] = (block_accepted, DFLASH_K_VALUES)
+    return {m: {k: simulate(y, lambda pos, f=f, k=k: f(pos, k), k) for k in ks} for m, (f, ks) in methods.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _target_states(params, cfg: ModelConfig, tokens, taps: tuple[int, ...]):
+    """tokens [B, T] -> (taps [B, T, len(taps) H], final hidden [B, T, H]) of the target."""
+    return train.forward_with_taps(params, cfg, tokens, taps)[:2]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _mtp_chain_argmax(params, cfg: ModelConfig, hidden, tokens, steps: int):
+    """[steps, B, T-1] argmax of the MTP chain passes (row t predicts token t+2); hidden [B, T, H]."""
+    outs = train.mtp_chain_hidden(params, cfg, hidden[:, :-1], tokens[:, 1:], steps)
+    return jnp.stack([jnp.argmax(logits_from_hidden(params, cfg, out), axis=-1) for out in outs])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 5))
+def _eagle3_chain_argmax(hp, ecfg, embed, tapped, tokens, steps: int):
+    """[steps, B, T-1] target ids drafted by the EAGLE-3 chain passes; tapped [B, T, 3H] its taps."""
+    _, lgs = eagle3.train_chain(hp, ecfg, embed, eagle3.fuse(hp, tapped[:, :-1]), tokens[:, 1:], steps)
+    return jnp.stack([eagle3.to_target_ids(hp, jnp.argmax(lg, axis=-1)) for lg in lgs])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _dflash_block_argmax(dparams, dcfg, tied: bool, tapped, rows, block, start, block_len):
+    """Drafts [R, T-1] of blocks [R, T] (the first block_len [R] rows real) at positions start [R]
+    over the context before start of sequences rows [R] (taps tapped [P, Tc, n H])."""
+    logits = dflash.train_block_logits(dparams, dcfg, tied, tapped[rows], start, block, start, block_len)
+    return jnp.argmax(logits[:, 1:], axis=-1)
+
+
+def dflash_drafts(target, head, tapped: np.ndarray, seq: np.ndarray, L0: int) -> dict:
+    """{k: [P, T, k] drafts of the k + 1-row block at each position L0 .. T - 1 of seq [P, T]};
+    tapped [P, T, n H] the drafter's taps. One executable: every block padded to block_size rows."""
+    (cfg, params), (dcfg, hp) = target, head
+    tapped = jnp.asarray(tapped)  # on the device once; each call gathers its rows there
+    pairs = [(p, t) for p in range(len(seq)) for t in range(L0, seq.shape[1])]
+    pairs += [pairs[-1]] * (-len(pairs) % BLOCK_ROWS)
+    dparams = {"head": hp, "embed": params["embed"], **({"lm_head": params["lm_head"]} if "lm_head" in params else {})}
+    out = {k: np.zeros((*seq.shape, k), np.int32) for k in DFLASH_K_VALUES}
+    for i in range(0, len(pairs), BLOCK_ROWS):
+        rows, pos = (np.asarray(x) for x in zip(*pairs[i:i + BLOCK_ROWS], strict=True))
+        block = np.full((len(rows), dcfg.block_size), dcfg.mask_token_id, np.int32)
+        block[:, 0] = seq[rows, pos]
+        for k, drafts in out.items():
+            drafts[rows, pos] = np.asarray(_dflash_block_argmax(
+                dparams, dcfg, cfg.tie_word_embeddings, tapped, jnp.asarray(rows), jnp.asarray(block),
+                jnp.asarray(pos, jnp.int32), jnp.full(len(rows), k + 1, jnp.int32)))[:, :k]
     return out
 
 
-def simulated_taus(target, draft, prompts: np.ndarray, new_tokens: int, eot: int, batch: int) -> dict:
-    """Mean tau per method and k on the target's greedy continuations of `prompts` ([P, L0])."""
+def batched(fn, seq: np.ndarray, batch: int, *arrays) -> np.ndarray:
+    """fn(tokens, *arrays) [passes, b, ..] over seq [P, T] and arrays [P, ..] in row batches -> [passes, P, ..]."""
+    return np.concatenate([np.asarray(fn(jnp.asarray(seq[i:i + batch]), *(jnp.asarray(a[i:i + batch]) for a in arrays)))
+                           for i in range(0, len(seq), batch)], axis=1)
+
+
+def chain_hits(argmax: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """[P, passes, T-2]: chain pass j row t equals seq[t+2], from argmax [passes, P, T-1]."""
+    return np.moveaxis(argmax[:, :, :-1] == seq[None, :, 2:], 0, 1)
+
+
+def _slice_taps(tapped: np.ndarray, ids: tuple[int, ...], want: tuple[int, ...], H: int) -> np.ndarray:
+    """The taps `want` out of tapped [.., len(ids) H] (ids in that order)."""
+    return np.concatenate([tapped[..., ids.index(i) * H:(ids.index(i) + 1) * H] for i in want], axis=-1)
+
+
+def head_draws(target, heads: dict, seq: np.ndarray, L0: int, batch: int) -> dict:
+    """What prompt_taus reads of the MTP head, the EAGLE-3 head and the DFlash drafter over seq."""
+    cfg, params = target
+    steps, H = max(K_VALUES), cfg.hidden_size
+    taps = {"eagle3": heads["eagle3"][0].taps(cfg)} if "eagle3" in heads else {}
+    if "dflash" in heads:
+        taps["dflash"] = heads["dflash"][0].taps
+    ids = tuple(sorted({i for t in taps.values() for i in t}))
+    states = [_target_states(params, cfg, jnp.asarray(seq[i:i + batch]), ids) for i in range(0, len(seq), batch)]
+    tapped, hidden = (np.concatenate([np.asarray(s[j]) for s in states]) for j in (0, 1))
+    draws = {}
+    if "mtp" in params:
+        draws["mtp"] = chain_hits(batched(lambda t, h: _mtp_chain_argmax(params, cfg, h, t, steps), seq, batch,
+                                          hidden), seq)
+    if "eagle3" in heads:
+        ecfg, hp = heads["eagle3"]
+        embed = hp["embed"] if ecfg.own_embed else params["embed"]
+        mine = _slice_taps(tapped, ids, taps["eagle3"], H)
+        draws["eagle3"] = chain_hits(batched(lambda t, f: _eagle3_chain_argmax(hp, ecfg, embed, f, t, steps), seq,
+                                             batch, mine), seq)
+    if "dflash" in heads:
+        draws["dflash"] = dflash_drafts(target, heads["dflash"], _slice_taps(tapped, ids, taps["dflash"], H), seq, L0)
+    return draws
+
+
+def simulated_taus(target, draft, heads: dict, prompts: np.ndarray, new_tokens: int, eot: int, batch: int):
+    """(mean tau, pooled acceptance by position) per method and k on the target's greedy
+    continuations of `prompts` ([P, L0]); heads: {"eagle3": (Eagle3Config, params), "dflash": ...}."""
     L0 = prompts.shape[1]
     seq = greedy_continue(target, prompts, new_tokens, batch)
-    _, draft_argmax, _ = run_eval(draft, seq, batch)
-    _, _, mtp_argmax = run_eval(target, seq, batch)
+    draws = {"match": run_eval(draft, seq, batch)[1][:, :-1] == seq[:, 1:], **head_draws(target, heads, seq, L0, batch)}
     per_prompt = []
     for p in range(len(seq)):
         y = seq[p, L0:].tolist()
         if eot in y:  # generation would stop at the end-of-text token
             y = y[:y.index(eot) + 1]
-        match = (draft_argmax[p, :-1] == seq[p, 1:]).tolist()
-        mtp_hit = (mtp_argmax[p, :-2] == seq[p, 2:]).tolist()
-        per_prompt.append(prompt_taus(seq[p].tolist(), L0, y, match, mtp_hit))
-    return {m: {str(k): round(float(np.mean([t[m][k] for t in per_prompt])), 4) for k in ks}
+        mine = {name: d[p] if name != "dflash" else {k: v[p] for k, v in d.items()} for name, d in draws.items()}
+        per_prompt.append(prompt_taus(seq[p].tolist(), L0, y, mine))
+    taus = {m: {str(k): round(float(np.mean([t[m][k][0] for t in per_prompt])), 4) for k in ks}
             for m, ks in per_prompt[0].items()}
+    accepted = {m: {str(k): [round(float(c), 4) for c in np.sum([t[m][k][1] for t in per_prompt], axis=0)
+                             / max(1, sum(t[m][k][2] for t in per_prompt))] for k in ks}
+                for m, ks in per_prompt[0].items()}
+    return taus, accepted
 
 
 def heldout_windows(stream: np.ndarray, width: int, count: int) -> np.ndarray:
@@ -174,8 +299,9 @@ def heldout_windows(stream: np.ndarray, width: int, count: int) -> np.ndarray:
     return stream[starts[:, None] + np.arange(width)]
 
 
-def evaluate(models: dict, held_stream: np.ndarray, tok, specials: dict, opts: dict) -> dict:
-    """models: {"target": (cfg, params, record), "draft": ...}; opts: seq_len, eval_windows,
+def evaluate(models: dict, held_stream: np.ndarray, tok, specials: dict, opts: dict, heads: dict | None = None) -> dict:
+    """models: {"target": (cfg, params, record), "draft": ...}; heads: {"eagle3": (Eagle3Config,
+    params), "dflash": (DFlashConfig, params)} (either may be left out); opts: seq_len, eval_windows,
     eval_prompts, eval_batch. -> the metrics dict of metrics.json (on the bf16-rounded params)."""
     target = (models["target"][0], bf16_round(models["target"][1]))
     draft = (models["draft"][0], bf16_round(models["draft"][1]))
@@ -197,7 +323,9 @@ def evaluate(models: dict, held_stream: np.ndarray, tok, specials: dict, opts: d
     agreement = round(float((t_argmax == d_argmax).mean()), 4)
     prompt_len = width // 2
     prompts = heldout_windows(held_stream[width // 3:], prompt_len, opts["eval_prompts"])
-    taus = simulated_taus(target, draft, prompts, width - prompt_len, specials["<|endoftext|>"], batch)
-    return {"heldout": heldout, "greedy_agreement": agreement, "tau": taus,
+    heads = {name: (c, bf16_round(p)) for name, (c, p) in (heads or {}).items()}
+    taus, accepted = simulated_taus(target, draft, heads, prompts, width - prompt_len, specials["<|endoftext|>"],
+                                    batch)
+    return {"heldout": heldout, "greedy_agreement": agreement, "tau": taus, "acceptance_by_position": accepted,
             "tau_setup": {"prompts": len(prompts), "prompt_tokens": prompt_len, "new_tokens": width - prompt_len,
                           "ngram": [NGRAM_MIN, NGRAM_MAX]}}

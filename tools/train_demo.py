@@ -1,23 +1,31 @@
-"""Train the built-in demo pair: a Qwen3.5-architecture target (with its MTP head) and a small draft
-of the same family, on the Python standard library's own source, with a byte-level BPE tokenizer.
+"""Train the built-in demo models: a Qwen3.5-architecture target (with its MTP head), a small draft of
+the same family, and the target's EAGLE-3 and DFlash drafters, on the Python standard library's own
+source, with a byte-level BPE tokenizer.
 
-    python tools/train_demo.py --out DIR [--seed 0] [--target-seconds 240 --draft-seconds 90] [--tiny]
+    python tools/train_demo.py --out DIR [--seed 0] [--tiny]
+        [--target-seconds 180 --draft-seconds 50 --mtp-seconds 30 --eagle3-seconds 45 --dflash-seconds 45]
 
 Writes DIR/target and DIR/draft (HF checkpoint directories: config.json, model.safetensors in
-bfloat16, tokenizer.json, tokenizer_config.json, generation_config.json), DIR/metrics.json and
-DIR/SHA256SUMS: the layout of jaxspec/demo_models/. Training uses jaxspec's own full-sequence
-forward (jaxspec/models/train.py), so the params load straight into jaxspec.
+bfloat16, tokenizer.json, tokenizer_config.json, generation_config.json), DIR/eagle3 and DIR/dflash
+(the published EAGLE-3 / DFlash layouts, docs/speculation.md), DIR/metrics.json and DIR/SHA256SUMS:
+the layout of jaxspec/demo_models/. Training uses jaxspec's own full-sequence forward
+(jaxspec/models/train.py), so the params load straight into jaxspec. Stages, each a time box: the
+target (next token + its MTP head one step ahead), the draft, a second MTP stage for recursive
+drafting (k > 1; the trunk frozen), the EAGLE-3 head and the DFlash drafter (tools/train_heads.py).
 
 Reproducible from the seed: corpus order, split, tokenizer, init and batches are deterministic. A
 time box picks the step count once (after timing the first steps) and metrics.json records it;
-`--target-steps N --draft-steps M` replays a run without a time box. Each time box covers that
-model's compile and training; tokenizer training, tokenization and the held-out evaluation come on
-top (about a minute on a GPU host), so the defaults finish within about 7.5 minutes.
+`--target-steps N --draft-steps M --mtp-steps .. --eagle3-steps .. --dflash-steps ..` replays a run
+without time boxes. Each time box covers that stage's compile and training (350 s by default);
+tokenizer training, tokenization, the frozen target's states for the drafters' validation windows
+and the held-out evaluation (compiles included) come on top (about 2 minutes estimated on a GPU
+host), so the defaults should finish in about 8 minutes on one H200.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -30,16 +38,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.example_libraries import optimizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from jaxspec import demo, weights  # noqa: E402
 from jaxspec.config import FULL, LINEAR, ModelConfig  # noqa: E402
 from jaxspec.models import train  # noqa: E402
+from jaxspec.speculative import dflash, eagle3  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import demo_metrics  # noqa: E402
+import train_heads  # noqa: E402
+from train_loop import adam_step, batches, fit, mean_over, validation_windows  # noqa: E402
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # appended after the BPE vocabulary, as Qwen does
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -50,9 +60,10 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 HELDOUT_EVERY, HELDOUT_BUCKET, VALIDATION_BUCKET = 20, 0, 1
 MAX_FILE_BYTES = 1 << 20
 
-# Model shapes. Target ~7.1M params (14.2 MB bf16 with the MTP head), draft ~1.4M (2.8 MB).
+# Model shapes. Target ~12.9M params (25.7 MB bf16 with its 1.5M MTP head), draft ~1.4M (2.8 MB); with
+# the EAGLE-3 head (~2.0M) and the DFlash drafter (~2.0M) (tools/train_heads.py) about 37 MB in all.
 FULL_SIZES = {
-    "target": dict(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, inter=512, lk=2, lv=4, dk=64, dv=64),
+    "target": dict(hidden=320, layers=8, heads=5, kv_heads=1, head_dim=64, inter=960, lk=2, lv=4, dk=64, dv=64),
     "draft": dict(hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, inter=384, lk=1, lv=2, dk=64, dv=64),
 }
 TINY_SIZES = {
@@ -69,9 +80,9 @@ FULL_TRAIN = dict(vocab=4096, seq_len=256, batch=64, lr=2e-3, warmup=200, corpus
 TINY_TRAIN = dict(vocab=1024, seq_len=64, batch=8, lr=3e-3, warmup=10, corpus_bytes=1_500_000, max_pos=512,
                   eval_windows=16, eval_prompts=8, eval_batch=8, val_every=5, val_windows=8, patience=2)
 MTP_WEIGHT = 0.3  # loss = next-token + MTP_WEIGHT * MTP (token t+2), as DeepSeek-V3's lambda
-CLIP_NORM = 1.0
-CALIBRATION_STEPS = 5  # timed after the compile step to turn a time box into a step count
 TINY_DEFAULT_STEPS = 20
+# Time boxes (seconds, compile included) of the stages, in training order.
+STAGE_SECONDS = {"target": 180.0, "draft": 50.0, "mtp": 30.0, "eagle3": 45.0, "dflash": 45.0}
 
 
 # ---- corpus and tokenizer ------------------------------------------------------------------------
@@ -193,10 +204,6 @@ def init_params(cfg: ModelConfig, seed: int, mtp: bool) -> dict:
     return params
 
 
-def count_params(params) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
-
-
 # ---- training ------------------------------------------------------------------------------------
 
 def xent(logits, targets):
@@ -205,123 +212,32 @@ def xent(logits, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def loss_fn(params, batch, *, cfg: ModelConfig, compute_dtype, mtp: bool):
+def loss_fn(params, batch, frozen=None, *, cfg: ModelConfig, compute_dtype, mtp: bool):
     """batch [B, T+2]: inputs = batch[:, :T]; next-token targets batch[:, 1:T+1]; MTP targets (t+2)
-    batch[:, 2:]. Returns (total loss, (next-token loss, MTP loss))."""
+    batch[:, 2:]. Returns (total loss, (next-token loss, MTP loss)), without mtp (loss, (loss,))."""
     p = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), params)
     T = batch.shape[1] - 2
     inputs, nxt, nxt2 = batch[:, :T], batch[:, 1:T + 1], batch[:, 2:]
     logits, hidden = train.forward(p, cfg, inputs)
     ntp = xent(logits, nxt)
     if not mtp:
-        return ntp, (ntp, jnp.float32(0.0))
+        return ntp, (ntp,)
     mtp_loss = xent(train.mtp_logits(p, cfg, hidden, nxt), nxt2)
     return ntp + MTP_WEIGHT * mtp_loss, (ntp, mtp_loss)
 
 
-def make_train_step(cfg: ModelConfig, compute_dtype, mtp: bool):
-    """jitted (opt_state, batch [B, T+2], step, lr) -> (opt_state, (next-token loss, MTP loss)).
-    The learning rate is an argument, so one executable serves the whole schedule."""
-    grad = jax.value_and_grad(lambda p, b: loss_fn(p, b, cfg=cfg, compute_dtype=compute_dtype, mtp=mtp),
-                              has_aux=True)
-
-    def step(opt_state, batch, i, lr):
-        _, update, get_params = optimizers.adam(lambda _: lr, b1=0.9, b2=0.95, eps=1e-8)
-        (_, losses), g = grad(get_params(opt_state), batch)
-        return update(i, optimizers.clip_grads(g, CLIP_NORM), opt_state), losses
-
-    return jax.jit(step, donate_argnums=(0,))
-
-
-def lr_at(i: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup to peak, then cosine decay to 10% of peak at step `total`."""
-    if i < warmup:
-        return peak * (i + 1) / warmup
-    frac = min(1.0, (i - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-
-
-def validation_windows(stream: np.ndarray, count: int, width: int) -> np.ndarray:
-    """[count, width] windows evenly spaced over the validation stream (fixed: every check sees the same)."""
-    starts = np.linspace(0, len(stream) - width, count).astype(np.int64)
-    return stream[starts[:, None] + np.arange(width)]
-
-
-def make_val_loss(cfg: ModelConfig, compute_dtype, mtp: bool, windows: np.ndarray, batch: int):
-    """() -> params -> mean next-token loss over the validation windows (float)."""
-    loss = jax.jit(lambda p, b: loss_fn(p, b, cfg=cfg, compute_dtype=compute_dtype, mtp=mtp)[1][0])
-    chunks = [jnp.asarray(windows[i:i + batch]) for i in range(0, len(windows), batch)]
-    return lambda params: float(np.mean([float(loss(params, c)) * len(c) for c in chunks]) * len(chunks)
-                                / len(windows))
-
-
-def batches(stream: np.ndarray, batch: int, width: int, seed: int):
-    """Endless [batch, width] windows at seeded uniform offsets into the token stream."""
-    rng = np.random.default_rng(seed)
-    offsets = np.arange(width)
-    while True:
-        starts = rng.integers(0, len(stream) - width, size=batch)
-        yield stream[starts[:, None] + offsets]
-
-
 def train_model(name, cfg, params, stream, val_stream, opts, *, seconds, steps, seed, mtp, log_every):
-    """Adam + warmup/cosine over seeded batches. The step count is `steps`, or what fits in
-    `seconds` (compile included) judged from the first steps' speed. Every `val_every` steps the
-    validation loss is measured; the params with the best one are returned, and training stops after
-    `patience` checks without improvement. Returns (params, record)."""
+    """Adam + warmup/cosine over seeded batches for `steps` steps or a time box of `seconds`, early
+    stopping on the validation next-token loss (train_loop.fit). Returns (params, record)."""
     compute_dtype = jnp.dtype(opts["compute_dtype"])
-    step_fn = make_train_step(cfg, compute_dtype, mtp)
-    val_loss = make_val_loss(cfg, compute_dtype, mtp, validation_windows(val_stream, opts["val_windows"],
-                                                                          opts["seq_len"] + 2), opts["eval_batch"])
-    best = {"loss": math.inf, "step": 0, "params": None, "since": 0}
-    val_curve = []
-    opt_init, _, get_params = optimizers.adam(opts["lr"])
-    state = jax.jit(opt_init)(params)  # jitted: distinct buffers for the zero moments (the step donates them)
+    loss = functools.partial(loss_fn, cfg=cfg, compute_dtype=compute_dtype, mtp=mtp)
+    windows = validation_windows(val_stream, opts["val_windows"], opts["seq_len"] + 2)
+    chunks = [jnp.asarray(windows[i:i + opts["eval_batch"]]) for i in range(0, len(windows), opts["eval_batch"])]
+    val_loss = mean_over(jax.jit(lambda p, b, f: loss(p, b)[1][0]), chunks)
     data = batches(stream, opts["batch"], opts["seq_len"] + 2, seed)
-    start = time.perf_counter()
-    total, i, curve, compile_s = steps, 0, [], None  # total: None until the time box is calibrated
-    while total is None or i < total:
-        lr = lr_at(i, total or 10**9, opts["lr"], opts["warmup"])
-        state, losses = step_fn(state, jnp.asarray(next(data)), jnp.int32(i), jnp.float32(lr))
-        i += 1
-        if i == 1:
-            jax.block_until_ready(losses)
-            compile_s = time.perf_counter() - start
-        if not steps and i == 1 + CALIBRATION_STEPS:
-            jax.block_until_ready(losses)
-            per_step = (time.perf_counter() - start - compile_s) / CALIBRATION_STEPS
-            total = max(i + 1, int((seconds - (time.perf_counter() - start)) / per_step) + i)
-            total = max(total, opts["warmup"] + 1)
-            print(f"[{name}] compile {compile_s:.1f}s, {1e3 * per_step:.1f} ms/step -> {total} steps", flush=True)
-        if i % log_every == 0 or i == total:
-            ntp, mtp_loss = (float(x) for x in losses)
-            curve.append({"step": i, "loss": round(ntp, 4), "mtp_loss": round(mtp_loss, 4) if mtp else None,
-                          "lr": lr, "seconds": round(time.perf_counter() - start, 1)})
-            extra = f" mtp {mtp_loss:.3f}" if mtp else ""
-            print(f"[{name}] step {i}/{total} loss {ntp:.3f}{extra} lr {lr:.2e} "
-                  f"{time.perf_counter() - start:.0f}s", flush=True)
-        if i % opts["val_every"] == 0 or i == total:
-            loss = val_loss(get_params(state))
-            val_curve.append({"step": i, "val_loss": round(loss, 4)})
-            if loss < best["loss"]:
-                best.update(loss=loss, step=i, since=0, params=jax.tree_util.tree_map(jnp.copy, get_params(state)))
-            else:
-                best["since"] += 1
-            print(f"[{name}] step {i} validation loss {loss:.3f} (best {best['loss']:.3f} at step {best['step']})",
-                  flush=True)
-            if best["since"] >= opts["patience"]:
-                print(f"[{name}] early stop at step {i}: no better validation loss in {opts['patience']} checks",
-                      flush=True)
-                break
-        if not steps and time.perf_counter() - start > 1.2 * seconds:
-            print(f"[{name}] stopping at step {i}: past 1.2x the time box", flush=True)
-            break
-    params = best["params"]
-    jax.block_until_ready(params)
-    record = {"steps": i, "scheduled_steps": total, "kept_step": best["step"], "val_loss": round(best["loss"], 4),
-              "seconds": round(time.perf_counter() - start, 1), "compile_seconds": round(compile_s, 1),
-              "params": count_params(params), "loss_curve": curve, "val_curve": val_curve,
-              "tokens_seen": i * opts["batch"] * (opts["seq_len"] + 2)}
+    params, record = fit(name, adam_step(loss), params, data, val_loss, opts, seconds=seconds, steps=steps,
+                         log_every=log_every, loss_names=("loss", "mtp_loss") if mtp else ("loss",))
+    record["tokens_seen"] = record["steps"] * opts["batch"] * (opts["seq_len"] + 2)
     return params, record
 
 
@@ -351,10 +267,13 @@ def write_checkpoint(directory: Path, config: dict, cfg: ModelConfig, params, to
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
+SHIPPED = ("target", "draft", "eagle3", "dflash")  # subdirectories of the output, as jaxspec/demo_models/ has them
+
+
 def write_sums(out: Path) -> None:
-    """SHA256SUMS (sha256sum format, paths relative to `out`) over every file below out/target and
-    out/draft and metrics.json; jaxspec.load("demo") checks it."""
-    files = sorted(p for sub in ("target", "draft") for p in (out / sub).rglob("*") if p.is_file())
+    """SHA256SUMS (sha256sum format, paths relative to `out`) over every file below out/{SHIPPED}
+    and metrics.json; jaxspec.load("demo") and the demo drafters check it."""
+    files = sorted(p for sub in SHIPPED for p in (out / sub).rglob("*") if p.is_file())
     files.append(out / "metrics.json")
     lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(out).as_posix()}" for p in files]
     (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
@@ -364,14 +283,12 @@ def write_sums(out: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output directory (target/, draft/, metrics.json, SHA256SUMS)")
+    p.add_argument("--out", required=True, help=f"output directory ({', '.join(SHIPPED)}, metrics.json, SHA256SUMS)")
     p.add_argument("--seed", type=int, default=0, help="seeds init and batch order")
-    p.add_argument("--target-seconds", type=float, default=None,
-                   help="time box of the target's compile + training (default 240 s)")
-    p.add_argument("--draft-seconds", type=float, default=None,
-                   help="time box of the draft's compile + training (default 90 s)")
-    p.add_argument("--target-steps", type=int, default=None, help="fixed step count (overrides the time box)")
-    p.add_argument("--draft-steps", type=int, default=None, help="fixed step count (overrides the time box)")
+    for stage, seconds in STAGE_SECONDS.items():
+        p.add_argument(f"--{stage}-seconds", type=float, default=None,
+                       help=f"time box of the {stage} stage's compile + training (default {seconds:.0f} s)")
+        p.add_argument(f"--{stage}-steps", type=int, default=None, help="fixed step count (overrides the time box)")
     p.add_argument("--tiny", action="store_true",
                    help=f"tiny models on a 1.5 MB corpus, {TINY_DEFAULT_STEPS} steps each unless given (CPU tests)")
     p.add_argument("--no-tests", action="store_true", help="leave the stdlib's test directories out")
@@ -381,71 +298,113 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation dtype (params stay float32); auto = bfloat16 on GPU, float32 elsewhere")
     p.add_argument("--log-every", type=int, default=None, help="loss print interval (steps)")
     args = p.parse_args(argv)
-    for name, seconds in (("target", 240.0), ("draft", 90.0)):
-        if getattr(args, f"{name}_seconds") is None:
-            if args.tiny and getattr(args, f"{name}_steps") is None:
-                setattr(args, f"{name}_steps", TINY_DEFAULT_STEPS)
-            setattr(args, f"{name}_seconds", seconds)
+    for stage, seconds in STAGE_SECONDS.items():
+        if getattr(args, f"{stage}_seconds") is None:
+            if args.tiny and getattr(args, f"{stage}_steps") is None:
+                setattr(args, f"{stage}_steps", TINY_DEFAULT_STEPS)
+            setattr(args, f"{stage}_seconds", seconds)
     return args
+
+
+def prepare(args, opts: dict):
+    """Corpus, split, tokenizer and token streams -> (tok, specials, {train, validation, heldout stream}, record)."""
+    t0 = time.perf_counter()
+    files = stdlib_files(include_tests=not args.no_tests, max_bytes=opts["corpus_bytes"])
+    train_texts, val_texts, held_texts = split_files(files)
+    tok = train_tokenizer(train_texts, opts["vocab"])
+    specials = {s: tok.token_to_id(s) for s in SPECIALS}
+    streams = {"train": token_stream(tok, train_texts), "validation": token_stream(tok, val_texts),
+               "heldout": token_stream(tok, held_texts)}
+    corpus = {"python": sys.version.split()[0], "files_train": len(train_texts), "files_validation": len(val_texts),
+              "files_heldout": len(held_texts), "tokens_validation": int(len(streams["validation"])),
+              "bytes_train": sum(len(t.encode()) for t in train_texts),
+              "bytes_heldout": sum(len(t.encode()) for t in held_texts),
+              "tokens_train": int(len(streams["train"])), "tokens_heldout": int(len(streams["heldout"])),
+              "tokenizer_sha256": hashlib.sha256(tok.to_str().encode()).hexdigest()}
+    print(f"corpus {corpus} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return tok, specials, streams, corpus
+
+
+def train_pair(args, opts, sizes, specials, streams) -> dict:
+    """Target and draft -> {"target" | "draft": (cfg, params, record, config.json dict)}."""
+    models, log_every = {}, args.log_every or (10 if args.tiny else 100)
+    for name, mtp in (("target", True), ("draft", False)):
+        config = hf_config(sizes[name], opts["vocab"], specials, opts["max_pos"], mtp)
+        cfg = ModelConfig.from_hf(config)
+        params = init_params(cfg, args.seed + (0 if name == "target" else 1), mtp)
+        params, record = train_model(name, cfg, params, streams["train"], streams["validation"], opts,
+                                     seconds=getattr(args, f"{name}_seconds"), steps=getattr(args, f"{name}_steps"),
+                                     seed=args.seed + (10 if name == "target" else 11), mtp=mtp, log_every=log_every)
+        models[name] = (cfg, params, record, config)
+    return models
+
+
+def train_drafters(args, opts, models: dict, specials: dict, streams) -> dict:
+    """With the target's trunk frozen: the second MTP stage (replaces models["target"]'s params),
+    the EAGLE-3 head and the DFlash drafter (tools/train_heads.py). -> {"mtp": record, "eagle3" |
+    "dflash": (config, head params, record)}."""
+    cfg, params, record, config = models["target"]
+    sizes = train_heads.TINY_HEADS if args.tiny else train_heads.FULL_HEADS
+    pair, log_every = (streams["train"], streams["validation"]), args.log_every or (10 if args.tiny else 100)
+    states = train_heads.target_states(cfg, params, jnp.dtype(opts["compute_dtype"]))
+    common = dict(log_every=log_every)
+    params, mtp_record = train_heads.train_mtp_stage(cfg, params, states, pair, opts, seconds=args.mtp_seconds,
+                                                     steps=args.mtp_steps, seed=args.seed + 12, **common)
+    models["target"] = (cfg, params, record, config)
+    eagle = train_heads.train_eagle3(cfg, params, states, pair, opts, sizes["eagle3"], seconds=args.eagle3_seconds,
+                                     steps=args.eagle3_steps, seed=args.seed + 13, **common)
+    block = train_heads.train_dflash(cfg, params, states, pair, opts, sizes["dflash"],
+                                     specials[train_heads.MASK_TOKEN], seconds=args.dflash_seconds,
+                                     steps=args.dflash_steps, seed=args.seed + 14, **common)
+    return {"mtp": mtp_record, "eagle3": eagle, "dflash": block}
+
+
+def write_all(out: Path, models: dict, drafters: dict, tok, specials: dict) -> None:
+    """out/target and out/draft (HF checkpoints), out/eagle3 and out/dflash (bfloat16)."""
+    for name in ("target", "draft"):
+        cfg, params, _, config = models[name]
+        write_checkpoint(out / name, config, cfg, params, tok, specials)
+    for name, module in (("eagle3", eagle3), ("dflash", dflash)):
+        head_cfg, params, _ = drafters[name]
+        module.save(params, head_cfg, out / name, dtype="bfloat16")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out)
-    for stale in (out / "target", out / "draft"):  # a rerun into the same directory leaves nothing old behind
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in SHIPPED:  # a rerun into the same directory leaves nothing old behind
+        shutil.rmtree(out / stale, ignore_errors=True)
     opts = dict(TINY_TRAIN if args.tiny else FULL_TRAIN)
-    sizes = TINY_SIZES if args.tiny else FULL_SIZES
     opts["batch"] = args.batch_size or opts["batch"]
     opts["seq_len"] = args.seq_len or opts["seq_len"]
     opts["compute_dtype"] = (args.compute_dtype if args.compute_dtype != "auto"
                              else "bfloat16" if jax.default_backend() == "gpu" else "float32")
-    log_every = args.log_every or (10 if args.tiny else 100)
+    tok, specials, streams, corpus = prepare(args, opts)
+    models = train_pair(args, opts, TINY_SIZES if args.tiny else FULL_SIZES, specials, streams)
+    drafters = train_drafters(args, opts, models, specials, streams)
+    write_all(out, models, drafters, tok, specials)
 
-    files = stdlib_files(include_tests=not args.no_tests, max_bytes=opts["corpus_bytes"])
-    train_texts, val_texts, held_texts = split_files(files)
-    tok = train_tokenizer(train_texts, opts["vocab"])
-    specials = {s: tok.token_to_id(s) for s in SPECIALS}
-    train_stream, held_stream = token_stream(tok, train_texts), token_stream(tok, held_texts)
-    val_stream = token_stream(tok, val_texts)
-    corpus = {"python": sys.version.split()[0], "files_train": len(train_texts), "files_validation": len(val_texts),
-              "files_heldout": len(held_texts), "tokens_validation": int(len(val_stream)),
-              "bytes_train": sum(len(t.encode()) for t in train_texts),
-              "bytes_heldout": sum(len(t.encode()) for t in held_texts),
-              "tokens_train": int(len(train_stream)), "tokens_heldout": int(len(held_stream)),
-              "tokenizer_sha256": hashlib.sha256(tok.to_str().encode()).hexdigest()}
-    print(f"corpus {corpus} ({time.perf_counter() - t0:.0f}s)", flush=True)
-
-    models = {}
-    for name, seconds, steps, mtp in (("target", args.target_seconds, args.target_steps, True),
-                                      ("draft", args.draft_seconds, args.draft_steps, False)):
-        config = hf_config(sizes[name], opts["vocab"], specials, opts["max_pos"], mtp)
-        cfg = ModelConfig.from_hf(config)
-        params = init_params(cfg, args.seed + (0 if name == "target" else 1), mtp)
-        params, record = train_model(name, cfg, params, train_stream, val_stream, opts, seconds=seconds, steps=steps,
-                                     seed=args.seed + (10 if name == "target" else 11), mtp=mtp,
-                                     log_every=log_every)
-        write_checkpoint(out / name, config, cfg, params, tok, specials)
-        models[name] = (cfg, params, record)
-
-    metrics = demo_metrics.evaluate(models, held_stream, tok, specials, opts)
+    pair = {n: models[n][:3] for n in ("target", "draft")}
+    heads = {n: drafters[n][:2] for n in ("eagle3", "dflash")}
+    metrics = demo_metrics.evaluate(pair, streams["heldout"], tok, specials, opts, heads=heads)
+    records = {**{n: r for n, (_, _, r) in pair.items()}, "mtp": drafters["mtp"],
+               **{n: drafters[n][2] for n in heads}}
     metrics.update(corpus=corpus, seed=args.seed, options=dict(opts), args=vars(args),
                    argv=sys.argv[1:] if argv is None else list(argv), jax=jax.__version__,
                    backend=jax.default_backend(),
-                   training={n: {k: v for k, v in r.items() if not k.endswith("_curve")}
-                             for n, (_, _, r) in models.items()},
-                   loss_curves={n: r["loss_curve"] for n, (_, _, r) in models.items()},
-                   val_curves={n: r["val_curve"] for n, (_, _, r) in models.items()},
+                   training={n: {k: v for k, v in r.items() if not k.endswith("_curve")} for n, r in records.items()},
+                   loss_curves={n: r["loss_curve"] for n, r in records.items()},
+                   val_curves={n: r["val_curve"] for n, r in records.items()},
                    total_seconds=round(time.perf_counter() - t0, 1))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     write_sums(out)
-    summary = {k: metrics[k] for k in ("heldout", "greedy_agreement", "tau")}
-    print(json.dumps(summary, indent=2))
-    for name, (_, _, record) in models.items():
+    print(json.dumps({k: metrics[k] for k in ("heldout", "greedy_agreement", "tau")}, indent=2))
+    for name in SHIPPED:
         size = (out / name / weights.SINGLE_FILE).stat().st_size
-        print(f"{name}: {record['params']:,} params, {record['steps']} steps, {size / 1e6:.2f} MB bf16")
-    print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
+        print(f"{name}: {records[name]['params']:,} params, {records[name]['steps']} steps, {size / 1e6:.2f} MB bf16")
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {out} ({total / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f}s")
     return 0
 
 

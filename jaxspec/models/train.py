@@ -85,8 +85,9 @@ def chunk_gated_delta(q, k, v, g, beta, *, chunk_size: int = GDN_CHUNK):
     return jnp.moveaxis(o, 1, 2)[:, :T]
 
 
-def causal_attention(p, cfg: ModelConfig, x, positions):
-    """(Gated) GQA attention over the whole sequence, causal. x [B, T, H], positions [B, T] int32."""
+def _qkv(p, cfg: ModelConfig, x, positions):
+    """Roped q [B, T, nH, D], k, v [B, T, nKV, D] and the output gate [B, T, nH*D] (or None) of x
+    [B, T, H_in] (H_in = 2H for the EAGLE-3 layer); QK-norm where the layer has it."""
     B, T, _ = x.shape
     nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = layers.linear(x, p["q"], p.get("q_bias"))
@@ -102,14 +103,45 @@ def causal_attention(p, cfg: ModelConfig, x, positions):
         k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     q = layers.rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
     k = layers.rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    return q, k, v, gate
+
+
+def _attend(p, cfg: ModelConfig, q, k, v, mask, gate):
+    """q [B, T, nH, D] over keys / values k, v [B, S, nKV, D] where mask [T, S] (bool) -> [B, T, H]."""
+    B, T, nH, D = q.shape
+    nKV = k.shape[2]
     qg = q.reshape(B, T, nKV, nH // nKV, D)  # query head h reads kv head h // (nH // nKV)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32) * D ** -0.5  # [B, nKV, G, T, T]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    probs = jax.nn.softmax(jnp.where(causal, s, MASK_VALUE), axis=-1)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32) * D ** -0.5  # [B, nKV, G, T, S]
+    probs = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v).reshape(B, T, nH * D)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
     return layers.linear(o, p["o"], p.get("o_bias"))
+
+
+def chain_mask(T: int, depth: int):
+    """[T, (depth + 1) T] bool: the keys row t of chain pass `depth` sees, over the keys of passes 0 ..
+    depth side by side. A chain drafter (the MTP head at k > 1, EAGLE-3) caches its exact rows
+    (pass 0) and then its recursive rows at the following positions, so the row at t of pass j (the
+    j-th recursive step of the chain whose last exact row is t - j) sees the exact rows 0 .. t - j
+    and the pass-i row at t - j + i for i = 1 .. j (its own chain, itself last)."""
+    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    return jnp.concatenate([s <= t - depth] + [s == t - depth + i for i in range(1, depth + 1)], axis=1)
+
+
+def chain_attention(p, cfg: ModelConfig, x, positions, past=()):
+    """(Gated) GQA attention of the rows of chain pass len(past) (chain_mask) over x [B, T, H_in] at
+    positions [B, T]; past: the (k, v) of passes 0 .. len(past) - 1. With no past, causal attention.
+    Returns (out [B, T, H], this pass's (k, v))."""
+    q, k, v, gate = _qkv(p, cfg, x, positions)
+    keys = jnp.concatenate([pk for pk, _ in past] + [k], axis=1)
+    values = jnp.concatenate([pv for _, pv in past] + [v], axis=1)
+    return _attend(p, cfg, q, keys, values, chain_mask(x.shape[1], len(past)), gate), (k, v)
+
+
+def causal_attention(p, cfg: ModelConfig, x, positions):
+    """(Gated) GQA attention over the whole sequence, causal. x [B, T, H], positions [B, T] int32."""
+    return chain_attention(p, cfg, x, positions)[0]
 
 
 def gated_delta_net(p, cfg: ModelConfig, x):
@@ -134,12 +166,23 @@ def gated_delta_net(p, cfg: ModelConfig, x):
 
 def decoder_layer(layer, cfg: ModelConfig, mixer: str, x, positions):
     """One pre-norm decoder layer; mixer is config.FULL or config.LINEAR. x [B, T, H]."""
-    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
-    h = layers.rms_norm(x, layer["input_norm"], eps, zc)
-    h = causal_attention(layer["attn"], cfg, h, positions) if mixer == FULL else gated_delta_net(layer["gdn"], cfg, h)
-    x = x + h
-    h = layers.rms_norm(x, layer["post_norm"], eps, zc)
-    return x + layers.feed_forward(layer, cfg, h)
+    if mixer == FULL:
+        return chain_layer(layer, cfg, x, positions)[0]
+    h = gated_delta_net(layer["gdn"], cfg, layers.rms_norm(x, layer["input_norm"], cfg.rms_norm_eps,
+                                                            cfg.zero_centered_norm))
+    return _mlp_block(layer, cfg, x + h)
+
+
+def chain_layer(layer, cfg: ModelConfig, x, positions, past=()):
+    """A full-attention decoder layer as pass len(past) of a chain (chain_attention). Returns (x, (k, v))."""
+    h, kv = chain_attention(layer["attn"], cfg, layers.rms_norm(x, layer["input_norm"], cfg.rms_norm_eps,
+                                                                 cfg.zero_centered_norm), positions, past)
+    return _mlp_block(layer, cfg, x + h), kv
+
+
+def _mlp_block(layer, cfg: ModelConfig, x):
+    return x + layers.feed_forward(layer, cfg, layers.rms_norm(x, layer["post_norm"], cfg.rms_norm_eps,
+                                                               cfg.zero_centered_norm))
 
 
 def forward_hidden(params, cfg: ModelConfig, tokens, taps: tuple[int, ...] = ()):
@@ -165,20 +208,49 @@ def forward(params, cfg: ModelConfig, tokens):
     return logits_from_hidden(params, cfg, hidden), hidden
 
 
-def mtp_hidden(params, cfg: ModelConfig, hidden, next_tokens):
-    """MTP head (docs/model_math.md#mtp-head). hidden [B, T, H] from forward_hidden; next_tokens [B, T]
-    with next_tokens[:, t] = token t+1. Row t: fc(cat[norm_e(embed(token t+1)), norm_h(hidden_t)])
+def forward_with_taps(params, cfg: ModelConfig, tokens, taps: tuple[int, ...]):
+    """One pass -> (taps [B, T, len(taps) * H] as forward_hidden gives them, hidden [B, T, H] after
+    the final norm, float32 logits [B, T, V]): what a tap drafter is trained on and against."""
+    H = cfg.hidden_size
+    stacked = forward_hidden(params, cfg, tokens, tuple(taps) + (cfg.num_hidden_layers - 1,))
+    hidden = layers.rms_norm(stacked[..., -H:], params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+    return stacked[..., :-H], hidden, logits_from_hidden(params, cfg, hidden)
+
+
+def shift_right(x):
+    """x [B, T, ..] -> row t holds row t - 1 of x (row 0 zeros): what a chain's next pass reads."""
+    return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+
+
+def mtp_chain_hidden(params, cfg: ModelConfig, hidden, next_tokens, steps: int) -> list:
+    """The MTP head (docs/model_math.md#mtp-head) over whole sequences as it drafts at k = steps
+    (speculative/mtp.py): hidden [B, T, H] from forward_hidden; next_tokens [B, T] with
+    next_tokens[:, t] = token t+1. Pass 0 row t: fc(cat[norm_e(embed(token t+1)), norm_h(hidden_t)])
     -> the MTP decoder layers (causal over rows, RoPE position t+1, the position of the embedded
-    token) -> mtp.norm. Returns [B, T, H]; its logits (shared lm_head) predict token t+2."""
+    token) -> mtp.norm. Pass j row t reads pass j - 1's output at row t - 1 in place of hidden_t and
+    attends as chain_mask says: it is draft j + 1 of the chain after the exact row t - j, exactly
+    (training-time test), as long as the chain's earlier drafts were the tokens given. Every pass's
+    row t predicts token t+2; rows t < j of pass j have no exact start. Returns [steps] x [B, T, H]."""
     mtp, eps, zc = params["mtp"], cfg.rms_norm_eps, cfg.zero_centered_norm
     B, T = next_tokens.shape
     e = layers.rms_norm(params["embed"][next_tokens], mtp["pre_fc_norm_embedding"], eps, zc)
-    h = layers.rms_norm(hidden, mtp["pre_fc_norm_hidden"], eps, zc)
-    x = jnp.concatenate([e, h], axis=-1) @ mtp["fc"]  # [B, T, 2H] @ [2H, H]
     positions = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T))
-    for layer in mtp["layers"]:
-        x = decoder_layer(layer, cfg, FULL, x, positions)
-    return layers.rms_norm(x, mtp["norm"], eps, zc)
+    pasts, outs = [[] for _ in mtp["layers"]], []
+    for _ in range(steps):
+        h = layers.rms_norm(hidden, mtp["pre_fc_norm_hidden"], eps, zc)
+        x = jnp.concatenate([e, h], axis=-1) @ mtp["fc"]  # [B, T, 2H] @ [2H, H]
+        for layer, past in zip(mtp["layers"], pasts, strict=True):
+            x, kv = chain_layer(layer, cfg, x, positions, tuple(past))
+            past.append(kv)
+        outs.append(layers.rms_norm(x, mtp["norm"], eps, zc))
+        hidden = shift_right(outs[-1])
+    return outs
+
+
+def mtp_hidden(params, cfg: ModelConfig, hidden, next_tokens):
+    """The MTP head's exact rows (pass 0 of mtp_chain_hidden) [B, T, H]; row t's logits (the shared
+    lm_head) predict token t+2."""
+    return mtp_chain_hidden(params, cfg, hidden, next_tokens, 1)[0]
 
 
 def mtp_logits(params, cfg: ModelConfig, hidden, next_tokens):

@@ -91,17 +91,38 @@ def config_from_json(d: dict) -> DFlashConfig:
     return DFlashConfig(layer=layer, taps=tuple(ids), block_size=block, mask_token_id=dc["mask_token_id"])
 
 
+def _spec(cfg: DFlashConfig) -> dict:
+    """{params path: (HF name, HF shape)} of a drafter (heads.load_spec)."""
+    H, n = cfg.layer.hidden_size, len(cfg.taps)
+    spec = {("fc",): ("fc.weight", (H, n * H)), ("hidden_norm",): ("hidden_norm.weight", (H,)),
+            ("norm",): ("norm.weight", (H,))}
+    for i in range(cfg.layer.num_hidden_layers):
+        spec.update({("layers", i, *k): v for k, v in heads.layer_spec(cfg.layer, f"layers.{i}.", H, True).items()})
+    return spec
+
+
 def load(path, dtype: str = "auto") -> heads.Head:
     """A DFlash drafter from a checkpoint directory (the published layout, module docstring). dtype:
     "auto" (config torch_dtype), "float32" or "bfloat16"; the session casts to the target's dtype."""
     path = Path(path)
     d, cfg, src = heads.open_checkpoint(path, config_from_json)
-    H, n = cfg.layer.hidden_size, len(cfg.taps)
-    params = heads.load_spec(src, {("fc",): ("fc.weight", (H, n * H)), ("hidden_norm",): ("hidden_norm.weight", (H,)),
-                                   ("norm",): ("norm.weight", (H,))})
-    params["layers"] = [heads.load_spec(src, heads.layer_spec(cfg.layer, f"layers.{i}.", H, qk_norm=True))
-                        for i in range(cfg.layer.num_hidden_layers)]
+    params = heads.load_spec(src, _spec(cfg))
+    params["layers"] = [params["layers"][i] for i in range(cfg.layer.num_hidden_layers)]
     return heads.finish("dflash", cfg, params, src, path, d, dtype)
+
+
+def save(params: dict, cfg: DFlashConfig, directory, dtype: str | None = None) -> Path:
+    """Writes a drafter (params in the layout load gives, e.g. a Head's .params) to `directory` in the
+    published layout (module docstring), which load reads back exactly. dtype: "float32" /
+    "bfloat16", or None for the params' own float dtype."""
+    name, np_dtype = heads.storage_dtype(params, dtype)
+    n = cfg.layer.num_hidden_layers
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **heads.layer_config_json(cfg.layer),
+              "layer_types": ["full_attention"] * n, "is_causal": False, "block_size": cfg.block_size,
+              "dflash_config": {"target_layer_ids": list(cfg.taps), "mask_token_id": cfg.mask_token_id,
+                                "block_size": cfg.block_size},
+              "torch_dtype": name}
+    return heads.write_checkpoint(directory, config, heads.export_spec(params, _spec(cfg), np_dtype))
 
 
 def draft_params(head: heads.Head, target_params: dict, dtype, abstract: bool = False) -> dict:
@@ -249,18 +270,22 @@ class DFlashDrafter:
 
 # ---- dense forward (training, offline checks) --------------------------------------------------------
 
-def train_block_logits(dparams: dict, cfg: DFlashConfig, tied: bool, taps, ctx_len, block_tokens, block_start):
+def train_block_logits(dparams: dict, cfg: DFlashConfig, tied: bool, taps, ctx_len, block_tokens, block_start,
+                       block_len=None):
     """float32 logits [B, T, V] of blocks over a dense context: taps [B, Tc, n H] at positions 0 ..
     Tc - 1 of which the first ctx_len [B] are context, block_tokens [B, T] at positions block_start
     [B] + t (row 0 the last known token, then mask tokens; row t >= 1 predicts the token at
-    block_start + t). dparams as draft_params gives them. Differentiable; nothing here jits."""
+    block_start + t). block_len [B] (default T): the rows t < block_len form the block, later rows
+    are padding that no row attends to (the engine's shorter block of k + 1 rows at k < T - 1).
+    dparams as draft_params gives them. Differentiable; nothing here jits."""
     hp = dparams["head"]
     B, Tc = taps.shape[:2]
     T = block_tokens.shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(Tc, dtype=jnp.int32), (B, Tc))
     positions = block_start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     ctx = context_kv(hp, cfg, context(hp, cfg, taps), ctx_pos)
-    visible = jnp.concatenate([ctx_pos < ctx_len[:, None], jnp.ones((B, T), bool)], axis=1)  # [B, Tc + T]
+    rows = jnp.arange(T)[None, :] < (T if block_len is None else block_len[:, None])
+    visible = jnp.concatenate([ctx_pos < ctx_len[:, None], jnp.broadcast_to(rows, (B, T))], axis=1)  # [B, Tc + T]
     lc = cfg.layer
     group = lc.num_attention_heads // lc.num_key_value_heads
 

@@ -101,6 +101,15 @@ def config_from_json(d: dict) -> Eagle3Config:
                         norm_before_residual=bool(d.get("norm_before_residual", False)))
 
 
+def _spec(cfg: Eagle3Config, prefix: str, n_taps: int) -> dict:
+    """{params path: (HF name, HF shape)} of a head (heads.load_spec); the embedding and the maps apart."""
+    H, Vd = cfg.layer.hidden_size, cfg.draft_vocab_size
+    return {("fc",): ("fc.weight", (H, n_taps * H)), ("norm",): ("norm.weight", (H,)),
+            ("lm_head",): ("lm_head.weight", (Vd, H)),
+            ("layer", "hidden_norm"): (prefix + "hidden_norm.weight", (H,)),
+            **{("layer", *k): v for k, v in heads.layer_spec(cfg.layer, prefix, 2 * H, qk_norm=False).items()}}
+
+
 def load(path, dtype: str = "auto") -> heads.Head:
     """An EAGLE-3 head from a checkpoint directory (the published layout, module docstring). dtype:
     "auto" (config torch_dtype), "float32" or "bfloat16"; the session casts to the target's dtype."""
@@ -110,21 +119,41 @@ def load(path, dtype: str = "auto") -> heads.Head:
     prefix = "midlayer." if "midlayer.input_layernorm.weight" in src else "layers.0."
     fc = src.tensors.get("fc.weight")
     n_taps = 3 if fc is None or fc.ndim != 2 or fc.shape[1] % H else fc.shape[1] // H
-    spec = {("fc",): ("fc.weight", (H, n_taps * H)), ("norm",): ("norm.weight", (H,)),
-            ("lm_head",): ("lm_head.weight", (Vd, H)),
-            ("layer", "hidden_norm"): (prefix + "hidden_norm.weight", (H,)),
-            **{("layer", *k): v for k, v in heads.layer_spec(cfg.layer, prefix, 2 * H, qk_norm=False).items()}}
-    if "embed_tokens.weight" in src:
-        spec[("embed",)] = ("embed_tokens.weight", (V, H))
-        cfg = dataclasses.replace(cfg, own_embed=True)
     if cfg.layer_ids is not None and len(cfg.layer_ids) != n_taps:
         raise ConfigError(f"{path}: eagle_aux_hidden_state_layer_ids has {len(cfg.layer_ids)} ids but fc.weight "
                           f"reads {n_taps} taps ([{H}, {n_taps * H}])")
-    params = heads.load_spec(src, spec)
+    params = heads.load_spec(src, _spec(cfg, prefix, n_taps))
+    if "embed_tokens.weight" in src:  # [V, H] as stored: an embedding table is not transposed
+        params["embed"] = _take(src, "embed_tokens.weight", (V, H)).full()
+        cfg = dataclasses.replace(cfg, own_embed=True)
     params["d2t"] = _draft_to_target(src, Vd, V, path)
     if "t2d" in src:  # the inverse map (a mask over the target vocabulary): d2t alone defines the mapping
         src.used.add("t2d")
     return heads.finish("eagle3", cfg, params, src, path, d, dtype)
+
+
+def save(params: dict, cfg: Eagle3Config, directory, dtype: str | None = None) -> Path:
+    """Writes a head (params in the layout load gives, e.g. a Head's .params) to `directory` in the
+    published layout (module docstring: midlayer.*, d2t int64 offsets and t2d bool, tap ids under
+    eagle_config as output-of-layer ids), which load reads back exactly. dtype: "float32" /
+    "bfloat16", or None for the params' own float dtype."""
+    name, np_dtype = heads.storage_dtype(params, dtype)
+    H, V, Vd = cfg.layer.hidden_size, cfg.layer.vocab_size, cfg.draft_vocab_size
+    n_taps = np.asarray(params["fc"]).shape[0] // H
+    tensors = heads.export_spec(params, _spec(cfg, "midlayer.", n_taps), np_dtype)
+    if cfg.own_embed:
+        tensors["embed_tokens.weight"] = np.asarray(params["embed"]).astype(np_dtype)
+    d2t = np.asarray(params["d2t"]).astype(np.int64)
+    t2d = np.zeros(V, bool)
+    t2d[np.arange(Vd) + d2t] = True
+    tensors.update(d2t=d2t, t2d=t2d)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              **heads.layer_config_json(cfg.layer), "draft_vocab_size": Vd, "torch_dtype": name}
+    if cfg.norm_before_residual:
+        config["norm_before_residual"] = True
+    if cfg.layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.layer_ids), "use_aux_hidden_state": True}
+    return heads.write_checkpoint(directory, config, tensors)
 
 
 def _draft_to_target(src: _Source, Vd: int, V: int, path: Path) -> np.ndarray:
@@ -207,15 +236,32 @@ def fuse(hp: dict, taps):
 
 
 def train_rows(hp: dict, cfg: Eagle3Config, embed, g, next_tokens):
-    """The head's rows over whole sequences, causal, row t at position t: g [B, T, H] (fuse(taps) or
-    a previous pass's out, as training-time test feeds it), next_tokens [B, T] (token t + 1).
-    Returns (out [B, T, H], float32 logits [B, T, draft_vocab_size]); row t predicts token t + 2.
-    Differentiable; nothing here jits."""
+    """The head's rows over whole sequences, causal, row t at position t: g [B, T, H] (fuse(taps)),
+    next_tokens [B, T] (token t + 1). Returns (out [B, T, H], float32 logits [B, T,
+    draft_vocab_size]); row t predicts token t + 2. Differentiable; nothing here jits."""
+    outs, logit_list = train_chain(hp, cfg, embed, g, next_tokens, 1)
+    return outs[0], logit_list[0]
+
+
+def train_chain(hp: dict, cfg: Eagle3Config, embed, g, next_tokens, steps: int):
+    """Training-time test: the rows of `steps` chain passes over whole sequences, as the drafter
+    drafts at k = steps. g [B, T, H] = fuse(taps); next_tokens [B, T] (token t + 1). Pass 0 is
+    train_rows; pass j row t reads pass j - 1's out at row t - 1 in place of g and attends as
+    models/train.chain_mask says (the exact rows 0 .. t - j, then its own chain), so it is draft
+    j + 1 of the chain after the exact row t - j, exactly as the engine computes it while the chain's
+    earlier drafts were the tokens given. Every pass's row t predicts token t + 2; rows t < j of pass
+    j have no exact start. Returns ([steps] x out [B, T, H], [steps] x float32 logits [B, T,
+    draft_vocab_size]). Differentiable; nothing here jits."""
     B, T = next_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    e, past, outs, logit_list = embed[next_tokens], [], [], []
+    for _ in range(steps):
+        def attend(x):
+            a, kv = train.chain_attention(hp["layer"]["attn"], cfg.layer, x, positions, tuple(past))
+            past.append(kv)
+            return a
 
-    def attend(x):
-        return train.causal_attention(hp["layer"]["attn"], cfg.layer, x, positions)
-
-    out = layer_out(hp, cfg, embed[next_tokens], g, attend)
-    return out, logits(hp, cfg, out)
+        outs.append(layer_out(hp, cfg, e, g, attend))
+        logit_list.append(logits(hp, cfg, outs[-1]))
+        g = train.shift_right(outs[-1])
+    return outs, logit_list

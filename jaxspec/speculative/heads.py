@@ -177,3 +177,64 @@ def resolve(method: str, draft_model, loader) -> Head:
     if not path.is_dir():
         raise FileNotFoundError(f"draft_model={name!r} does not exist or is not a directory; {usage}")
     return loader(path)
+
+
+# ---- writing (the inverse of loading) ------------------------------------------------------------------
+
+def layer_config_json(cfg: ModelConfig) -> dict:
+    """config.json fields of the draft layers (read back by layer_config)."""
+    d = {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+         "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size, "hidden_act": "silu", "attention_bias": False,
+         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False}
+    if cfg.partial_rotary_factor != 1.0:
+        d["partial_rotary_factor"] = cfg.partial_rotary_factor
+    return d
+
+
+def storage_dtype(params: dict, dtype: str | None) -> tuple[str, object]:
+    """(torch_dtype name, numpy dtype) to store the float params in: dtype ("float32" / "bfloat16"),
+    or None for the params' own float dtype (one for all leaves, so loading gives them back exactly)."""
+    import ml_dtypes
+
+    valid = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+    if dtype is None:
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+        kinds = {x.dtype for x in leaves if x.dtype.kind not in "iub"}
+        names = [n for n, d in valid.items() if d in kinds]
+        if len(kinds) != 1 or not names:
+            raise ValueError(f"params have float dtypes {sorted(map(str, kinds))}; pass dtype='float32' or 'bfloat16'")
+        dtype = names[0]
+    if dtype not in valid:
+        raise ValueError(f"dtype={dtype!r} is not valid for a drafter checkpoint; choose 'float32' or 'bfloat16'")
+    return dtype, valid[dtype]
+
+
+def export_spec(params: dict, spec: dict, dtype) -> dict:
+    """{HF name: array} of params by a load_spec spec: 2-d weights back to HF [out, in], floats as dtype."""
+    out = {}
+    for path, (name, shape) in spec.items():
+        node = params
+        for key in path:
+            node = node[key]
+        t = np.asarray(node).astype(dtype)
+        t = np.ascontiguousarray(t.T if t.ndim == 2 else t)
+        if t.shape != tuple(shape):
+            raise ValueError(f"params{list(path)} exports to {name!r} with shape {list(t.shape)}, "
+                             f"expected {list(shape)}")
+        out[name] = t
+    return out
+
+
+def write_checkpoint(directory, config: dict, tensors: dict) -> Path:
+    """config.json and model.safetensors of a drafter checkpoint in `directory` (created)."""
+    import json
+
+    from jaxspec.weights import SINGLE_FILE, write_safetensors
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_safetensors(tensors, directory / SINGLE_FILE)
+    return directory

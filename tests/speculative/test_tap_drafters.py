@@ -22,6 +22,7 @@ import pytest
 
 import jaxspec
 from jaxspec import compile as jc
+from jaxspec import demo
 from jaxspec.cache import MemoryBudgetError
 from jaxspec.demo import DemoModelError
 from jaxspec.engine import memory_plan
@@ -191,7 +192,7 @@ def test_bucket_table_and_generate_after_precompile_compiles_nothing(taps_setup)
 
 # ---- refusals ---------------------------------------------------------------------------------------
 
-def test_mismatched_heads_are_refused_and_the_model_stays_usable(taps_setup, tmp_path):
+def test_mismatched_heads_are_refused_and_the_model_stays_usable(taps_setup, tmp_path, monkeypatch):
     path, model, dirs, prompts, reference = taps_setup
     H = model.config.hidden_size
     cases = {
@@ -216,6 +217,10 @@ def test_mismatched_heads_are_refused_and_the_model_stays_usable(taps_setup, tmp
                          speculative=jaxspec.SpeculativeConfig("dflash", 2, draft_model=small))
     with pytest.raises(ValueError, match="draft_model is a dflash head"):
         jaxspec.SpeculativeConfig("eagle3", 2, draft_model=_spec(dirs, "dflash", 2).draft_model)
+    bare = tmp_path / "bare"  # an installation whose demo_models/ has no eagle3/
+    bare.mkdir()
+    (bare / demo.SUMS_FILE).write_text("0" * 64 + "  target/config.json\n")
+    monkeypatch.setattr(demo, "TRAINED_ROOT", bare)
     with pytest.raises(DemoModelError, match="does not ship a trained eagle3 drafter"):
         jaxspec.SpeculativeConfig("eagle3", 2, draft_model="demo-eagle3")
     assert jaxspec.generate(model, prompts, max_new_tokens=NEW).token_ids == [r[:NEW] for r in reference]
