@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """The trained demo pair's drafters on held-out standard-library prompts (issue 9): tau, acceptance by
-draft position and tokens/s of draft_model, ngram and mtp (the target's own MTP head) at k in
-{2, 4, 8}, and with dynamic k up to the largest of them (drafters that support it), against plain
-greedy, on whatever backend runs the script (CPU or GPU).
+draft position and tokens/s of draft_model, ngram, mtp (the target's own MTP head) and the shipped
+tap drafters eagle3 and dflash ("demo-eagle3", "demo-dflash"; skipped, with the reason recorded,
+where this installation does not ship them) at k in {2, 4, 7, 15} (where the drafter allows the k),
+and with dynamic k up to the largest of them (drafters that support it), against plain greedy, on
+whatever backend runs the script (CPU or GPU).
 
 Prompts: the first --prompt-len tokens of held-out standard-library files (the split
 tools/train_demo.py never trains on: sha256(relative path) % 20 == 0), in path order. Every
@@ -23,10 +25,12 @@ import statistics  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
+from jaxspec.demo import DemoModelError  # noqa: E402
 from jaxspec.speculative.config import DYNAMIC_K_METHODS  # noqa: E402
 
 SMOKE = dict(num_prompts=2, prompt_len=24, new_tokens=8, ks="2", repeats=1)
-METHODS = ("draft_model", "ngram", "mtp")
+METHODS = ("draft_model", "ngram", "mtp", "eagle3", "dflash")
+TAP_DEMOS = {"eagle3": "demo-eagle3", "dflash": "demo-dflash"}
 
 
 def parse(argv=None):
@@ -34,7 +38,7 @@ def parse(argv=None):
     p.add_argument("--num-prompts", type=int, default=16, help="held-out files used as prompts")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens taken from each file")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (exact)")
-    p.add_argument("--ks", default="2,4,8", help="draft lengths")
+    p.add_argument("--ks", default="2,4,7,15", help="draft lengths")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (max_num_seqs)")
     p.add_argument("--no-dynamic-k", dest="dynamic_k", action="store_false",
@@ -110,8 +114,12 @@ def main(argv=None) -> int:
             if not budget.allows():
                 res.skip(name, "budget spent")
                 continue
-            spec = jaxspec.SpeculativeConfig(method, k, draft_model=draft if method == "draft_model" else None,
-                                             dynamic_k=dyn)
+            try:
+                spec = jaxspec.SpeculativeConfig(method, k, draft_model=TAP_DEMOS.get(method, draft)
+                                                 if method in ("draft_model", *TAP_DEMOS) else None, dynamic_k=dyn)
+            except (ValueError, DemoModelError) as e:  # not shipped, or a k this drafter does not allow
+                res.skip(name, str(e))
+                continue
             try:
                 out = run_config(target, prompts, args, spec)
             except Exception as e:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from benchmarks import common
+from jaxspec import demo
 
 REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
@@ -187,8 +188,12 @@ def test_demo_drafters_smoke(smoke):
     _common_keys(doc, "demo_drafters")
     assert len(doc["prompts"]) == 2 and all(p.endswith(".py") for p in doc["prompts"])
     rows = {(r["method"], r["k"], r.get("dynamic_k", False)): r for r in doc["results"]}
+    shipped = [m for m in ("eagle3", "dflash") if (demo.TRAINED_ROOT / m).is_dir()]  # the tap drafters
     assert set(rows) == {("plain", 0, False), ("draft_model", 2, False), ("ngram", 2, False), ("mtp", 2, False),
-                         ("draft_model", 2, True), ("ngram", 2, True)}
+                         ("draft_model", 2, True), ("ngram", 2, True), *((m, 2, False) for m in shipped)}
+    skipped = {s["what"]: s["reason"] for s in doc["skipped"]}
+    for method in {"eagle3", "dflash"} - set(shipped):  # recorded, with the reason, not silently left out
+        assert "does not ship" in skipped[f"{method} k=2"]
     assert all(r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0 for r in rows.values())  # exact lengths
     for method in ("draft_model", "ngram", "mtp"):
         r = rows[(method, 2, False)]
