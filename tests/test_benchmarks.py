@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput",
-           "plot", "report", "tp")
+           "plot", "plot_acceptance", "report", "tp")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -57,6 +57,8 @@ def smoke(tmp_path_factory) -> dict:
     runs["plot"] = _finish(plot)
     runs["e2e"] = _finish(e2e)
     runs.update({name: _finish(proc) for name, proc in side.items()})
+    runs["plot_acceptance"] = _finish(_start("plot_acceptance", "--input", str(path["demo_drafters"]),
+                                             "--out", str(out / "acceptance.png")))
     runs["report"] = _finish(_start("report", str(out)))
     return {"dir": out, "stdout": runs, "json": {n: json.loads(p.read_text()) for n, p in path.items()}}
 
@@ -220,8 +222,9 @@ def test_startup_smoke(smoke):
 
 
 def test_plot_and_report(smoke):
-    png = smoke["dir"] / "verify_curve.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in ("verify_curve.png", "acceptance.png"):
+        assert (smoke["dir"] / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "acceptance by position" in smoke["stdout"]["plot_acceptance"]
     summary = (smoke["dir"] / "summary.md").read_text()
     for name in ("step_times", "e2e", "kernels", "peers"):
         assert f"## {name}" in summary
