@@ -47,12 +47,24 @@ def series(data: dict, metric: str) -> list[dict]:
     return out
 
 
-def draw(lines: list[dict], path: Path, title: str) -> None:
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+
+
+def draw(lines: list[dict], path: Path, title: str) -> None:
+    plt = pyplot()
     shapes = list(dict.fromkeys(s["shape"] for s in lines))
     cols = min(2, len(shapes)) or 1
     rows = -(-len(shapes) // cols) or 1
@@ -76,9 +88,7 @@ def draw(lines: list[dict], path: Path, title: str) -> None:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, plot  # noqa: E402
 
 
 def parse(argv=None):
@@ -41,12 +41,7 @@ def series(data: dict) -> list[dict]:
 
 
 def draw(lines: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plot.pyplot().subplots(figsize=(7, 4.2))
     for s in lines:
         positions = range(1, len(s["acceptance"]) + 1)
         ax.plot(positions, s["acceptance"], "o-", label=f"{s['method']} k={s['k']}: tau {s['tau']:.2f}, "
@@ -58,9 +53,7 @@ def draw(lines: list[dict], path: Path, title: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot.save(fig, path)
 
 
 def main(argv=None) -> int:
