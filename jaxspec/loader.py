@@ -240,7 +240,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive integer (bytes) or None")
     if not isinstance(prefill_rows, int) or isinstance(prefill_rows, bool) \
-            or not 1 <= prefill_rows <= (max_num_seqs if isinstance(max_num_seqs, int) else prefill_rows):
+            or not 1 <= prefill_rows <= (max_num_seqs if isinstance(max_num_seqs, int) and max_num_seqs > 0
+                                         else prefill_rows):  # a bad max_num_seqs is named by its own check
         raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer in 1..max_num_seqs={max_num_seqs}")
     name = str(path_or_name)
     # "demo" / "demo-draft": the shipped trained checkpoints (an error when missing or modified).
