@@ -241,19 +241,21 @@ class Engine:
             pos += len(chunk)
         return token
 
-    def prefill_many(self, jobs: list[tuple[int, list[int]]], rows: int) -> tuple[list[tuple[jax.Array, int]], int]:
-        """Prefill several requests' prompts [(slot, prompt), ...] (sampling settings set first),
-        `rows` chunks per call: each call takes the next chunk of up to `rows` requests that still
-        have one, padded with rows of the null slot 0 that write nothing the slots read. A row's
-        computation is its own, so every request gets the tokens its one-request prefill gives (up
-        to float rounding of the larger matmuls). Returns where each job's first sampled token is,
-        (device array [rows], row: no slicing on device, which would compile), and the number of
-        executable calls."""
-        if rows == 1 or len(jobs) == 1:
-            return [(self.prefill(slot, prompt), 0) for slot, prompt in jobs], \
-                sum(-(-len(prompt) // self.ecfg.prefill_chunk) for _, prompt in jobs)
+    def prefill_many(self, jobs: list[tuple[int, list[int], object]], rows: int,
+                     taps: tuple[int, ...] = ()) -> tuple[list[tuple[jax.Array, int]], int]:
+        """Prefill several requests' prompts [(slot, prompt, on_hidden or None), ...] (sampling
+        settings set first), `rows` chunks per call: each call takes the next chunk of up to `rows`
+        requests that still have one, padded with rows of the null slot 0 that write nothing the
+        slots read. A row's computation is its own, so every request gets the tokens its one-request
+        prefill gives (up to float rounding of the larger matmuls). Requests whose prompt hidden
+        states are consumed (on_hidden, taps: see prefill) go one per call. Returns where each job's
+        first sampled token is, (device array, row: no slicing on device, which would compile), and
+        the number of executable calls."""
         C = self.ecfg.prefill_chunk
-        for slot, prompt in jobs:
+        if rows == 1 or len(jobs) == 1 or taps or any(hook is not None for _, _, hook in jobs):
+            return [(self.prefill(slot, prompt, hook, taps=taps), 0) for slot, prompt, hook in jobs], \
+                sum(-(-len(prompt) // C) for _, prompt, _ in jobs)
+        for slot, prompt, _ in jobs:
             self.reserve(slot, len(prompt))
         self.sync_tables()
         run = prefill_executable(self.cfg, self.ecfg, self.kernels)
@@ -261,12 +263,12 @@ class Engine:
         first: list[tuple[jax.Array, int] | None] = [None] * len(jobs)
         calls = 0
         while True:
-            todo = [i for i, (_, prompt) in enumerate(jobs) if done[i] < len(prompt)][:rows]
+            todo = [i for i, (_, prompt, _) in enumerate(jobs) if done[i] < len(prompt)][:rows]
             if not todo:
                 return first, calls
             tokens, meta = np.zeros((rows, C), np.int32), np.zeros((3, rows), np.int32)  # start, num_valid, slot
             for r, i in enumerate(todo):
-                slot, prompt = jobs[i]
+                slot, prompt, _ = jobs[i]
                 chunk = prompt[done[i]:done[i] + C]
                 tokens[r, :len(chunk)] = chunk
                 meta[:, r] = done[i], len(chunk), slot

@@ -276,9 +276,7 @@ def save(model: Model, directory: str | Path, format: str | None = None) -> Path
     """Write config.json, tokenizer files and the converted params in the engine's layout to
     directory: format "safetensors" (params.safetensors, the default in one process) or "orbax"
     (params/, the default when several processes hold the shards); jaxspec/saved.py."""
-    format = format or saved.default_format()
-    if format not in saved.FORMATS:
-        raise ValueError(f"format={format!r} is not a params format; choose one of {saved.FORMATS}")
+    format = saved.resolve_format(format)  # before anything is written
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf_config = dict(model.hf_config)

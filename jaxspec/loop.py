@@ -188,13 +188,9 @@ class Loop:
         the drafter consumes each prompt's hidden states), read their first tokens back (once per
         request), then the drafter's admission. Returns each request with its new token (or
         nothing, if it already stopped)."""
-        eng, hook = self.engine, self.session.prefill_hook
-        if hook is None and not self.session.taps:
-            firsts, calls = eng.prefill_many([(r.slot, r.prompt + r.generated) for r in wave], self.model.prefill_rows)
-        else:
-            firsts = [(eng.prefill(r.slot, r.prompt + r.generated, hook(r) if hook else None, taps=self.session.taps),
-                       0) for r in wave]
-            calls = sum(-(-(len(r.prompt) + len(r.generated)) // eng.ecfg.prefill_chunk) for r in wave)
+        hook = self.session.prefill_hook
+        jobs = [(r.slot, r.prompt + r.generated, hook(r) if hook else None) for r in wave]
+        firsts, calls = self.engine.prefill_many(jobs, self.model.prefill_rows, taps=self.session.taps)
         self.stats.prefill_steps += calls
         out = []
         for req, (first, row) in zip(wave, firsts, strict=True):

@@ -42,13 +42,19 @@ def default_format() -> str:
     return "orbax" if jax.process_count() > 1 else "safetensors"
 
 
+def resolve_format(format: str | None) -> str:
+    """format, or default_format() for None; a ValueError naming the choices for anything else."""
+    format = format or default_format()
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not a params format; choose one of {FORMATS}")
+    return format
+
+
 def save_params(params: dict[str, Any], directory: str | os.PathLike, format: str | None = None) -> Path:
     """Writes params to directory in `format` (FORMATS; None: default_format()), overwrite-safe
     (the new files are written beside the old ones, then renamed over them); the other format's
     files of an earlier save are removed. Returns the params path."""
-    format = format or default_format()
-    if format not in FORMATS:
-        raise ValueError(f"format={format!r} is not a params format; choose one of {FORMATS}")
+    format = resolve_format(format)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if format == "orbax":
