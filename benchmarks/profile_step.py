@@ -45,11 +45,18 @@ def parse(argv=None):
     p.add_argument("--prefill-chunks", default="",
                    help="also profile the engine's prefill executable of one request at these chunk sizes "
                         "(comma list; its floor is the larger of bytes / bandwidth and FLOPs / matmul rate)")
+    p.add_argument("--prefill-rows", default="1",
+                   help="requests per prefill call, as Model.prefill_rows packs them (comma list; each with each chunk)")
+    p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunks only, no decode steps")
     args = common.parse_args(p, argv, SMOKE)
     args.chunk_list = common.int_list(args.prefill_chunks) if args.prefill_chunks else []
+    args.rows_list = common.int_list(args.prefill_rows)
+    if args.prefill_only and not args.chunk_list:
+        raise SystemExit("--prefill-only needs --prefill-chunks")
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
-    if args.batch > args.engine["max_num_seqs"]:
-        raise SystemExit(f"--batch {args.batch}: at most max_num_seqs={args.engine['max_num_seqs']}")
+    for flag, value in (("--batch", args.batch), ("--prefill-rows", max(args.rows_list))):
+        if not 1 <= value <= args.engine["max_num_seqs"]:
+            raise SystemExit(f"{flag} {value}: takes 1..max_num_seqs={args.engine['max_num_seqs']}")
     return args
 
 
@@ -120,7 +127,8 @@ def main(argv=None) -> int:
     eng.caches = common.block(step_times._randomise(eng.caches, jax.random.PRNGKey(7)))
     cfg, ecfg, R, ks = model.config, eng.ecfg, args.batch, common.int_list(args.ks)
     _, inputs = step_times._batch_inputs(model, eng, R, ks, args.context)
-    st = {"caches": eng.caches, "state": step_times.loop_state(eng, R, args.context)}
+    # every slot a step or a prefill call uses has its pages
+    st = {"caches": eng.caches, "state": step_times.loop_state(eng, max([R] + args.rows_list), args.context)}
     weights = common.params_bytes_by_kind(cfg, args.dtype)
     itemsize = 2 if args.dtype == "bfloat16" else 4
     bw = common.measure_bandwidth(4 * common.GiB if not args.smoke else common.GiB // 32)
@@ -156,14 +164,15 @@ def main(argv=None) -> int:
             return emitted
         return call, steps
 
-    def prefill_call(C):
-        """The engine's prefill chunk of one request (slot 1): C prompt tokens after --context cached
-        ones; the loop state carries over, so every call rewrites the same positions."""
+    def prefill_call(C, rows):
+        """The engine's prefill call of `rows` requests (slots 1..rows): C prompt tokens each after
+        --context cached ones; the loop state carries over, so every call rewrites the same positions."""
         from jaxspec.engine import prefill_executable
 
         run = prefill_executable(cfg, ecfg, eng.kernels)
-        tokens = jax.device_put(rng.integers(0, 1000, (1, C)).astype(np.int32))
-        meta = [jax.device_put(np.array(v, np.int32)) for v in ([args.context], [C], [1])]
+        tokens = jax.device_put(rng.integers(0, 1000, (rows, C)).astype(np.int32))
+        meta = [jax.device_put(np.array(v, np.int32))
+                for v in ([args.context] * rows, [C] * rows, list(range(1, rows + 1)))]
 
         def call():
             token, st["caches"], st["state"] = run(model.params, st["caches"], st["state"], tokens, *meta)
@@ -183,7 +192,10 @@ def main(argv=None) -> int:
         plan.append((f"verify round k={k} T={1 + k}", 1 + k, round_call(k)))
         if 1 + k != 2:  # T = 2 is timed above
             plan.append((f"forward+argmax T={1 + k}", 1 + k, (forward_call(1 + k), 1)))
-    plan += [(f"prefill chunk C={C} (one request)", -C, prefill_call(C)) for C in args.chunk_list]
+    if args.prefill_only:
+        plan = []
+    plan += [(f"prefill chunk C={C} x {rows} request{'s' * (rows > 1)}", (rows, C), prefill_call(C, rows))
+             for C in args.chunk_list for rows in args.rows_list]
     mm = common.measure_matmul(8192 if not args.smoke else 256) if args.chunk_list else None
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-")
     budget = common.Budget(args.budget_s)
@@ -196,10 +208,11 @@ def main(argv=None) -> int:
         except Exception as e:
             res.error(label, e)
             continue
-        if T < 0:  # a prefill chunk of -T tokens, one request: bytes or FLOPs bound, whichever is slower
-            flops = common.step_flops(cfg, weights, 1, -T, args.context, itemsize=itemsize, last_only=True)
-            item.update(tokens=-T, flops=flops, compute_floor_ms=flops / mm["flop_per_s"] * 1e3,
-                        bytes_floor_ms=common.step_bytes(cfg, weights, 1, -T, args.context, itemsize)["floor"]
+        if isinstance(T, tuple):  # a prefill call of rows x C tokens: bytes or FLOPs bound, whichever is slower
+            rows, C = T
+            flops = common.step_flops(cfg, weights, rows, C, args.context, itemsize=itemsize, last_only=True)
+            item.update(tokens=rows * C, rows=rows, flops=flops, compute_floor_ms=flops / mm["flop_per_s"] * 1e3,
+                        bytes_floor_ms=common.step_bytes(cfg, weights, rows, C, args.context, itemsize)["floor"]
                         / bw["bytes_per_s"] * 1e3)
             item["floor_ms"] = max(item["compute_floor_ms"], item["bytes_floor_ms"])
         else:

@@ -172,15 +172,17 @@ class Loop:
         return -(-need // eng.ecfg.page_size) <= eng.pages.num_free
 
     def start(self, req: Request) -> Request:
-        """Slot, sampling settings and the prompt's pages (so the next request's fit sees them
-        taken). A preempted request prefills its prompt plus the tokens it already returned."""
+        """Slot, sampling settings and the pages fits() counted: the prompt's and one dispatch's
+        (so the next request's fit sees them taken, and the drafter's admission, which drafts up to
+        its lookahead past the prompt, finds its pages). A preempted request prefills its prompt
+        plus the tokens it already returned."""
         eng = self.engine
         req.slot = eng.acquire_slot()
         req.epoch += 1
         self.active.append(req)
         eng.set_sampling(req.slot, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                          request_id=req.index)
-        eng.reserve(req.slot, len(req.prompt) + len(req.generated))
+        eng.reserve(req.slot, min(len(req.prompt) + len(req.generated) + self.horizon(1), req.limit))
         return req
 
     def admit(self, wave: list[Request]) -> list[tuple[Request, list[int]]]:

@@ -24,8 +24,9 @@ POOL = 1 + 14  # 56 positions: any one request fits (<= 13 + 40), two at full le
 
 
 @functools.cache
-def target(num_kv_pages: int | None = None, prefill_rows: int = 1) -> jaxspec.Model:
-    model = jaxspec.load("demo", num_kv_pages=num_kv_pages, prefill_rows=prefill_rows, **SETTINGS)
+def target(num_kv_pages: int | None = None, prefill_rows: int = 1, max_num_seqs: int = 2) -> jaxspec.Model:
+    settings = dict(SETTINGS, max_num_seqs=max_num_seqs)
+    model = jaxspec.load("demo", num_kv_pages=num_kv_pages, prefill_rows=prefill_rows, **settings)
     return dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
 
 
@@ -73,6 +74,21 @@ def test_admission_waves_prefill_two_prompts_per_call(method):
                                     speculative=speculative(method)).stats.prefill_steps
     assert (two_per_call == one_per_call) if method == "mtp" else (two_per_call < one_per_call)
     assert_idle(model)
+
+
+def test_a_wave_of_admissions_has_the_pages_its_drafter_writes():
+    """Three 8-token prompts (page boundaries) admitted in one wave with MTP at k 3: the drafter's
+    admission drafts k positions past each prompt, a page the prompt does not need. The pool (8
+    pages) fits each prompt plus one dispatch but not all three requests at once: admission must
+    take those pages before the prefill (the third request waits) instead of the pool running dry
+    inside it. Every output equals the request alone."""
+    prompts = [list(range(300 + 20 * i, 308 + 20 * i)) for i in range(3)]
+    spec = jaxspec.SpeculativeConfig("mtp", 3)
+    small = target(1 + 8, max_num_seqs=3)
+    result = jaxspec.generate(small, prompts, max_new_tokens=16, speculative=spec)
+    assert result.token_ids == [jaxspec.generate(target(), [p], max_new_tokens=16, speculative=spec).token_ids[0]
+                                for p in prompts]
+    assert_idle(small)
 
 
 def test_bad_prefill_rows_is_refused_before_loading():

@@ -357,7 +357,9 @@ class MtpSession(Session):
             tokens = np.zeros((1, C), np.int32)
             tokens[0, :len(next_tokens)] = next_tokens
             # rows write positions start .. start + n - 1, the drafting after them up to lookahead more
-            target.reserve(req.slot, start + len(next_tokens) + self.lookahead)
+            # (never past the request's limit: those rows write only the null page). Loop.start
+            # reserved these pages already; this covers a caller that did not.
+            target.reserve(req.slot, min(start + len(next_tokens) + self.lookahead, req.limit))
             host = dict(next_tokens=tokens, start=np.full((1,), start, np.int32),
                         n=np.full((1,), len(next_tokens), np.int32), tables=target.block_tables[req.slot][None],
                         slot=np.full((1,), req.slot, np.int32))
