@@ -18,6 +18,7 @@ from pathlib import Path
 import jax.monitoring as monitoring
 
 from jaxspec import sharding
+from jaxspec.config import prefill_row_buckets
 from jaxspec.speculative.dynamic import k_buckets
 from jaxspec.speculative.session import SESSIONS
 
@@ -227,8 +228,8 @@ def bucket_table(model, *, k_values=(), methods=("ngram",), draft_model=None, sa
     def engine_entries(k, prefill: bool):
         add(Bucket("allocate", 0, 0, engine_k(k)))
         add(Bucket("set_sampling", 1, 0, engine_k(k)))
-        if prefill:  # one request per call, and Model.prefill_rows of them for waves of admissions
-            for rows in sorted({1, model.prefill_rows}):
+        if prefill:  # one request per call, and up to Model.prefill_rows of them for waves of admissions
+            for rows in prefill_row_buckets(model.prefill_rows):
                 add(Bucket("prefill", rows, chunk, engine_k(k)))
 
     pad = model.decode_pad  # plain decode steps carry `pad` inert columns (Model.decode_pad)

@@ -339,3 +339,14 @@ class EngineConfig:
             if b >= num_reqs:
                 return b
         raise ValueError(f"num_reqs={num_reqs} exceeds max_num_seqs={self.max_num_seqs}")
+
+
+def prefill_row_buckets(prefill_rows: int) -> tuple[int, ...]:
+    """Row counts of the prefill executables for Model.prefill_rows: the powers of two below it and
+    prefill_rows itself. A call with n requests' chunks runs the smallest bucket >= n, so a lone
+    request never computes prefill_rows - 1 padding rows."""
+    buckets, b = [], 1
+    while b < prefill_rows:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, prefill_rows)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import cache, ops, sampling, sharding
-from jaxspec.config import EngineConfig, ModelConfig
+from jaxspec.config import EngineConfig, ModelConfig, prefill_row_buckets
 from jaxspec.models.model import StepBatch, forward
 
 
@@ -266,7 +266,8 @@ class Engine:
             todo = [i for i, (_, prompt, _) in enumerate(jobs) if done[i] < len(prompt)][:rows]
             if not todo:
                 return first, calls
-            tokens, meta = np.zeros((rows, C), np.int32), np.zeros((3, rows), np.int32)  # start, num_valid, slot
+            width = next(b for b in prefill_row_buckets(rows) if b >= len(todo))  # the smallest row bucket
+            tokens, meta = np.zeros((width, C), np.int32), np.zeros((3, width), np.int32)  # start, num_valid, slot
             for r, i in enumerate(todo):
                 slot, prompt, _ = jobs[i]
                 chunk = prompt[done[i]:done[i] + C]

@@ -91,6 +91,41 @@ def test_a_wave_of_admissions_has_the_pages_its_drafter_writes():
     assert_idle(small)
 
 
+def test_prefill_calls_take_the_smallest_row_bucket(monkeypatch):
+    """prefill_rows=3: executables of 1, 2 and 3 rows; a wave of two prompts, and the longest
+    prompt's last chunks once the others are done, run the 2- and 1-row buckets (compiled by
+    precompile: nothing compiles in generate), and outputs equal each request alone."""
+    from jaxspec import compile as jc
+    from jaxspec.config import prefill_row_buckets
+
+    assert [prefill_row_buckets(n) for n in (1, 2, 3, 6, 8)] == [(1,), (1, 2), (1, 2, 3), (1, 2, 4, 6), (1, 2, 4, 8)]
+    model = target(prefill_rows=3, max_num_seqs=3)
+    table = jc.bucket_table(model, methods=(), sampling=("greedy",))
+    assert [b.num_reqs for b in table if b.name == "prefill"] == [1, 2, 3]
+    jc.precompile(model, table, progress=False)
+    prompts = [PROMPTS[0], PROMPTS[1] * 3, PROMPTS[3]]  # 13 / 40 tokens...: the long one ends alone
+    from jaxspec import engine as engine_module
+
+    widths, device_int32 = [], engine_module._device_int32  # prefill_many sends each call's [rows] metadata
+
+    def spy(values, mesh):
+        widths.append(len(values))
+        return device_int32(values, mesh)
+
+    monkeypatch.setattr(engine_module, "_device_int32", spy)
+    with jc.count_compiles() as count:
+        two = jaxspec.generate(model, prompts[:2], max_new_tokens=8)
+        assert 2 in widths and 3 not in widths, widths
+        three = jaxspec.generate(model, prompts, max_new_tokens=8)
+        assert 3 in widths, widths
+    assert count.compiles == 0, count
+    want = [jaxspec.generate(target(), [p], max_new_tokens=8).token_ids[0] for p in prompts]
+    assert two.token_ids == want[:2] and three.token_ids == want
+    assert three.stats.prefill_steps < sum(-(-len(ids) // SETTINGS["prefill_chunk"]) for ids in
+                                           (model.tokenizer.encode(p) for p in prompts))
+    assert_idle(model)
+
+
 def test_bad_prefill_rows_is_refused_before_loading():
     for value, message in ((0, "prefill_rows=0 must be an integer in 1..max_num_seqs=2"),
                            (3, "prefill_rows=3 must be"), (True, "prefill_rows=True")):

@@ -52,12 +52,15 @@ def paged_attention(
 # The kernel keeps a float32 accumulator of (span x GQA group) rows x head_dim; long spans (prefill
 # chunks) are cut into query blocks so it stays inside shared memory (about 227 KiB on an H200;
 # 64 tokens x 4 heads x 256 dims alone needed 256 KiB). Each block is the same causal problem with
-# its start position advanced, so the result is unchanged.
+# its start position advanced, so the blocks become rows of one kernel call: request r's block b is
+# row r * nb + b, with start_pos + b * block, the tokens of the block that are valid, and r's block
+# table. One launch per layer however long the chunk (a Python loop of calls made a 512-token
+# Qwen3-4B prefill chunk launch 16 attention kernels, 16 merges and a concatenation per layer).
 MAX_ACC_BYTES = 64 * 1024
 
 
 def span_block(span: int, group: int, head_dim: int, max_acc_bytes: int = MAX_ACC_BYTES) -> int:
-    """Query tokens per kernel call: the largest power of two whose accumulator fits."""
+    """Query tokens per kernel row: the largest power of two whose accumulator fits."""
     head_dim = padded_head_dim(head_dim)
     block = 1
     while block * 2 <= span and block * 2 * group * head_dim * 4 <= max_acc_bytes:
@@ -67,14 +70,16 @@ def span_block(span: int, group: int, head_dim: int, max_acc_bytes: int = MAX_AC
 
 def _pallas_in_span_blocks(q, k_pages, v_pages, block_tables, start_pos, num_valid, *, scale, interpret,
                            num_splits=None, max_acc_bytes: int = MAX_ACC_BYTES):
-    span, nh, d = q.shape[1], q.shape[2], q.shape[3]
+    r, span, nh, d = q.shape
     block = span_block(span, nh // k_pages.shape[2], d, max_acc_bytes)
     kw = dict(scale=scale, interpret=interpret, num_splits=num_splits)
     if block >= span:
         return paged_attention_pallas(q, k_pages, v_pages, block_tables, start_pos, num_valid, **kw)
-    outs = []
-    for t0 in range(0, span, block):  # static loop over query blocks
-        t1 = min(t0 + block, span)
-        valid = jnp.clip(num_valid - t0, 0, t1 - t0)
-        outs.append(paged_attention_pallas(q[:, t0:t1], k_pages, v_pages, block_tables, start_pos + t0, valid, **kw))
-    return jnp.concatenate(outs, axis=1)
+    nb = -(-span // block)
+    rows = jnp.pad(q, ((0, 0), (0, nb * block - span), (0, 0), (0, 0))).reshape(r * nb, block, nh, d)
+    offset = jnp.arange(nb, dtype=jnp.int32) * block  # [nb] first token of each block
+    starts = (start_pos.astype(jnp.int32)[:, None] + offset).reshape(-1)
+    valid = jnp.clip(num_valid.astype(jnp.int32)[:, None] - offset, 0, block).reshape(-1)
+    tables = jnp.repeat(block_tables, nb, axis=0)  # [R * nb, P]: a few KiB
+    out = paged_attention_pallas(rows, k_pages, v_pages, tables, starts, valid, **kw)
+    return out.reshape(r, nb * block, nh, d)[:, :span]

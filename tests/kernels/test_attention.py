@@ -309,21 +309,28 @@ class TestPallasGPU:
                             interpret=False, starts=(900, 17))
 
 
-def test_long_spans_run_in_query_blocks():
-    """A span longer than the accumulator budget is cut into query blocks with the same result."""
+@pytest.mark.parametrize("T", [12, 11])
+def test_long_spans_run_in_query_blocks(T):
+    """A span longer than the accumulator budget is cut into query blocks (the last one padded
+    when T is not a multiple) with the same result, all in one kernel launch."""
+    import functools
+
     from pallas_kernels.attention import api
+    from tests.jaxprs import pallas_calls
 
     assert api.span_block(64, 4, 256) == 16 and api.span_block(1, 4, 256) == 1 and api.span_block(8, 1, 16) == 8
     rng = np.random.default_rng(3)
-    R, T, nh, nkv, D, page, P = 2, 12, 4, 2, 16, 4, 6
+    R, nh, nkv, D, page, P = 2, 4, 2, 16, 4, 6
     q = jnp.asarray(rng.standard_normal((R, T, nh, D)), jnp.float32)
     kp = jnp.asarray(rng.standard_normal((1 + R * P, page, nkv, D)), jnp.float32)
     vp = jnp.asarray(rng.standard_normal((1 + R * P, page, nkv, D)), jnp.float32)
     tables = jnp.asarray(1 + np.arange(R * P).reshape(R, P), jnp.int32)
     start, valid = jnp.array([5, 0], jnp.int32), jnp.array([T, 7], jnp.int32)
     ref = api.paged_attention(q, kp, vp, tables, start, valid, scale=D ** -0.5, implementation="xla")
-    got = api._pallas_in_span_blocks(q, kp, vp, tables, start, valid, scale=D ** -0.5, interpret=True,
-                                     max_acc_bytes=2 * 2 * D * 4)  # two tokens per block
+    blocked = functools.partial(api._pallas_in_span_blocks, scale=D ** -0.5, interpret=True,
+                                max_acc_bytes=2 * 2 * D * 4)  # two tokens per block
+    got = blocked(q, kp, vp, tables, start, valid)
+    assert pallas_calls(blocked, q, kp, vp, tables, start, valid) == 1
     mask = (np.arange(T)[None, :] < np.asarray(valid)[:, None])[..., None, None]
     np.testing.assert_allclose(np.asarray(got) * mask, np.asarray(ref) * mask, rtol=1e-5, atol=1e-5)
 
