@@ -39,7 +39,8 @@ def parse(argv=None):
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size (default: from the memory budget)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill call (default: benchmarks/common.ENGINE's)")
-    p.add_argument("--prefill-rows", type=int, default=1, help="requests whose prompt chunks share a prefill call")
+    p.add_argument("--prefill-rows", type=lambda t: t if t == "auto" else int(t), default="auto",
+                   help="requests whose prompt chunks share a prefill call ('auto': the engine's default)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--cache-dir", default="default", help="persistent XLA cache ('none' = off)")
@@ -54,7 +55,7 @@ def parse(argv=None):
     need = lo_hi[0][1] + lo_hi[1][1] + max(ks) + 1
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk takes a positive token count, got {args.prefill_chunk}")
-    if not 1 <= args.prefill_rows <= max(batches):
+    if args.prefill_rows != "auto" and not 1 <= args.prefill_rows <= max(batches):
         raise SystemExit(f"--prefill-rows takes 1..{max(batches)} (the largest batch), got {args.prefill_rows}")
     args.engine = dict(base, max_num_seqs=max(batches), max_model_len=max(base["max_model_len"], need),
                        max_num_speculative_tokens=max(ks), num_kv_pages=args.num_kv_pages,

@@ -22,6 +22,15 @@ def _positive(name: str):
     return parse
 
 
+def _auto_or_positive(name: str):
+    positive = _positive(name)
+
+    def parse(text: str) -> int | str:
+        return "auto" if text == "auto" else positive(text)
+
+    return parse
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
                    help="HF checkpoint directory, a jaxspec.save directory, demo (trained Qwen3.5), demo-draft, "
@@ -34,8 +43,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + generation, in tokens")
     p.add_argument("--max-num-seqs", type=_positive("max-num-seqs"), default=8, help="requests decoded together")
     p.add_argument("--prefill-chunk", type=_positive("prefill-chunk"), default=64, help="prefill chunk (tokens)")
-    p.add_argument("--prefill-rows", type=_positive("prefill-rows"), default=1,
-                   help="requests admitted together whose prompt chunks share one prefill call")
+    p.add_argument("--prefill-rows", type=_auto_or_positive("prefill-rows"), default="auto",
+                   help="requests admitted together whose prompt chunks share one prefill call "
+                        "('auto': min(8, max-num-seqs))")
     p.add_argument("--k-mode", default="per_k", choices=["per_k", "pad_to_max"],
                    help="one verify executable per k, or every k padded to the largest")
     p.add_argument("--rounds-per-dispatch", type=_positive("rounds-per-dispatch"), default=1,

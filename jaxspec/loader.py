@@ -182,11 +182,16 @@ def _load_dir(path: Path, dtype: str, tensor_parallel_size: int):
 K_MODES = ("per_k", "pad_to_max")
 
 
+# Requests per prefill call by default: on the H200 a [8, 64]-token Qwen3-4B prefill call ran 12.7 ms
+# against 5.2 ms for [1, 64] (docs/benchmarks.md, "Serving many requests").
+AUTO_PREFILL_ROWS = 8
+
+
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
          max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
          k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
          rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto",
-         num_kv_pages: int | None = None, tensor_parallel_size: int = 1, prefill_rows: int = 1) -> Model:
+         num_kv_pages: int | None = None, tensor_parallel_size: int = 1, prefill_rows: int | str = "auto") -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
@@ -214,9 +219,11 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     is checked here.
     prefill_rows: requests admitted together prefill their prompts in one call of prefill_rows x
     prefill_chunk tokens (rows of requests with nothing left padded), so a wave of short prompts pays
-    the weight read once per call instead of once per request; 1 = one request per call. Drafters that
-    consume the prompt's hidden states (mtp, eagle3, dflash) prefill one request per call. At most
-    max_num_seqs.
+    the weight read once per call instead of once per request; 1 = one request per call; "auto" =
+    min(AUTO_PREFILL_ROWS, max_num_seqs). A call pads only to the smallest row bucket (powers of two,
+    and prefill_rows) that holds its requests, so a lone request costs what it does with 1. Drafters
+    that consume the prompt's hidden states (mtp, eagle3, dflash) prefill one request per call. At
+    most max_num_seqs.
     tensor_parallel_size: N devices (of jax.devices(), every process's after
     jaxspec.initialize_distributed) that the model is sharded over: attention and GDN heads, MLP and
     expert intermediate dimensions, the vocabulary, and the caches by heads; every weight is read
@@ -239,10 +246,13 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
         raise ValueError(f"decode_tokens={decode_tokens!r} is not valid; choose 'auto', 1 or 2")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget < 1):
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive integer (bytes) or None")
+    seqs_ok = isinstance(max_num_seqs, int) and max_num_seqs > 0  # a bad max_num_seqs is named by its own check
+    if prefill_rows == "auto":
+        prefill_rows = min(AUTO_PREFILL_ROWS, max_num_seqs) if seqs_ok else 1
     if not isinstance(prefill_rows, int) or isinstance(prefill_rows, bool) \
-            or not 1 <= prefill_rows <= (max_num_seqs if isinstance(max_num_seqs, int) and max_num_seqs > 0
-                                         else prefill_rows):  # a bad max_num_seqs is named by its own check
-        raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer in 1..max_num_seqs={max_num_seqs}")
+            or not 1 <= prefill_rows <= (max_num_seqs if seqs_ok else prefill_rows):
+        raise ValueError(f"prefill_rows={prefill_rows!r} must be 'auto' or an integer in "
+                         f"1..max_num_seqs={max_num_seqs}")
     name = str(path_or_name)
     # "demo" / "demo-draft": the shipped trained checkpoints (an error when missing or modified).
     path = demo.trained_demo_dir(name) if name in demo.TRAINED_DEMOS else Path(path_or_name)

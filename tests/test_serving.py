@@ -126,8 +126,18 @@ def test_prefill_calls_take_the_smallest_row_bucket(monkeypatch):
     assert_idle(model)
 
 
+def test_prefill_rows_auto_is_up_to_eight_requests():
+    from jaxspec import cli
+
+    for seqs, rows in ((3, 3), (16, 8)):
+        model = jaxspec.load("demo:qwen3", cache_dir=None, max_model_len=32, max_num_seqs=seqs)
+        assert model.prefill_rows == rows
+    parse = cli._auto_or_positive("prefill-rows")
+    assert parse("auto") == "auto" and parse("3") == 3
+
+
 def test_bad_prefill_rows_is_refused_before_loading():
-    for value, message in ((0, "prefill_rows=0 must be an integer in 1..max_num_seqs=2"),
+    for value, message in ((0, "prefill_rows=0 must be .auto. or an integer in 1..max_num_seqs=2"),
                            (3, "prefill_rows=3 must be"), (True, "prefill_rows=True")):
         with pytest.raises(ValueError, match=message):
             jaxspec.load("demo", prefill_rows=value, **SETTINGS)

@@ -133,7 +133,7 @@ def test_bucket_table_has_the_mtp_executables():
     table = jc.bucket_table(target(), k_values=(2,), methods=("mtp",))
     names = {b.name for b in table}
     assert {"verify[mtp]", "prefill_hidden", "admit[mtp]"} <= names
-    assert [b.engine_k for b in table if b.name == "prefill"] == [0]  # mtp prefills through prefill_hidden
+    assert {b.engine_k for b in table if b.name == "prefill"} == {0}  # mtp prefills through prefill_hidden
 
 
 ZERO_COMPILE_SCRIPT = """
