@@ -119,11 +119,19 @@ def memory_plan(model, ecfg: EngineConfig) -> dict[str, int]:
     return {"weights": cache.params_bytes(model.params), **cache.cache_bytes(model.config, ecfg, model.dtype)}
 
 
-@functools.cache
 def prefill_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str, with_hidden: bool = False,
                        taps: tuple[int, ...] = ()):
-    """The jitted prefill chunk; shared by every Engine with these settings so re-creating an engine
-    never retraces. Caches and loop state are donated."""
+    """The jitted prefill chunk; shared by every Engine (and precompile) with these settings so
+    re-creating an engine never retraces. Caches and loop state are donated. The settings are
+    normalised before the cache lookup: functools.cache keys on the arguments as passed, and a
+    call that left the defaults out got another jit object, which retraced what precompile had
+    already compiled."""
+    return _prefill_executable(cfg, ecfg, kernels, bool(with_hidden), tuple(taps))
+
+
+@functools.cache
+def _prefill_executable(cfg: ModelConfig, ecfg: EngineConfig, kernels: str, with_hidden: bool,
+                        taps: tuple[int, ...]):
     return jax.jit(functools.partial(prefill_chunk, cfg=cfg, ecfg=ecfg, kernels=kernels, with_hidden=with_hidden,
                                      taps=taps), donate_argnums=(1, 2))
 

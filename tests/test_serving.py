@@ -118,7 +118,7 @@ def test_prefill_calls_take_the_smallest_row_bucket(monkeypatch):
         assert 2 in widths and 3 not in widths, widths
         three = jaxspec.generate(model, prompts, max_new_tokens=8)
         assert 3 in widths, widths
-    assert count.compiles == 0, count
+    assert count.traces == 0 and count.backend_compiles == 0, count  # precompile's own executables, in memory
     want = [jaxspec.generate(target(), [p], max_new_tokens=8).token_ids[0] for p in prompts]
     assert two.token_ids == want[:2] and three.token_ids == want
     assert three.stats.prefill_steps < sum(-(-len(ids) // SETTINGS["prefill_chunk"]) for ids in

@@ -59,7 +59,8 @@ def one_round(params, caches, state: LoopState, dparams, dstate, rows, num_draft
                        rnd.block_tables, rnd.seq_slot, state.num_emitted, ecfg)
     # hidden: the final hidden [R, 1+k, H], or the taps [R, 1+k, n*H] of a drafter that reads them
     logits, hidden, caches = forward(params, cfg, caches, batch, mode="verify", kernels=kernels,
-                                     last_only=False, taps=getattr(drafter, "taps", ()))  # [R, 1+k, V]
+                                     last_only=False, taps=getattr(drafter, "taps", ()),
+                                     live_columns=getattr(drafter, "live_columns", None))  # [R, 1+k, V]
     positions = rnd.start_pos[:, None] + 1 + jnp.arange(1 + k, dtype=jnp.int32)[None, :]
     sp = jax.tree_util.tree_map(lambda x: x[rnd.seq_slot], state.sampling)
     emitted, num_emitted = rejection_sample(logits, drafts, draft_probs, sp, positions, rnd.num_drafts,
@@ -97,10 +98,15 @@ def rounds(params, caches, state: LoopState, dparams, dstate, rows, num_drafts, 
     return emitted, num_emitted, caches, state, dstate
 
 
-@functools.cache
 def round_executable(cfg: ModelConfig, ecfg: EngineConfig, drafter, kernels: str, greedy: bool, steps: int = 1):
     """The jitted dispatch of `steps` rounds for one (model, engine, drafter, sampling mode); jax
     keys its executables by the request bucket R. Target caches, loop state and drafter state are
-    donated and updated in place."""
+    donated and updated in place. One jit object per setting however the call is spelled (see
+    engine.prefill_executable)."""
+    return _round_executable(cfg, ecfg, drafter, kernels, bool(greedy), int(steps))
+
+
+@functools.cache
+def _round_executable(cfg: ModelConfig, ecfg: EngineConfig, drafter, kernels: str, greedy: bool, steps: int):
     return jax.jit(functools.partial(rounds, cfg=cfg, ecfg=ecfg, drafter=drafter, kernels=kernels, greedy=greedy,
                                      steps=steps), donate_argnums=(1, 2, 4))
