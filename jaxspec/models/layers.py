@@ -155,11 +155,20 @@ def _dense_experts(p, x, top_w, top_i):
 EXPERT_PATHS = {"gather": _gathered_experts, "grouped": _grouped_experts, "dense": _dense_experts}
 
 
-def feed_forward(layer, cfg: ModelConfig, x):
-    """x [R, T, H] through the layer's dense MLP or MoE."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = moe(layer["moe"], cfg, flat) if "moe" in layer else mlp(layer["mlp"], flat)
-    return out.reshape(x.shape)
+def feed_forward(layer, cfg: ModelConfig, x, live_columns: int | None = None):
+    """x [R, T, H] through the layer's dense MLP or MoE.
+
+    live_columns (static): only each row's first live_columns columns are ever read (a plain decode
+    step's inert columns follow: docs/architecture.md). The MoE routes the live columns alone and
+    gives the inert ones zeros, so an inert column reads no expert weights (the gather path reads
+    one expert per routed pair). The dense MLP runs every column (the shape is what the column
+    is for)."""
+    if "moe" not in layer:
+        return mlp(layer["mlp"], x.reshape(-1, x.shape[-1])).reshape(x.shape)
+    R, T, H = x.shape
+    live = T if live_columns is None else min(live_columns, T)
+    out = moe(layer["moe"], cfg, x[:, :live].reshape(R * live, H)).reshape(R, live, H)
+    return out if live == T else jnp.pad(out, ((0, 0), (0, T - live), (0, 0)))
 
 
 def _cache_heads(x, cfg: ModelConfig):

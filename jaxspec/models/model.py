@@ -39,7 +39,7 @@ def logits_from_hidden(params, cfg: ModelConfig, x):
 
 
 def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: dict, *,
-                  mode: str, kernels: str):
+                  mode: str, kernels: str, live_columns: int | None = None):
     """One pre-norm decoder layer; returns (x, caches) with this layer's cache entry updated."""
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     h = layers.rms_norm(x, layer["input_norm"], eps, zc)
@@ -53,12 +53,12 @@ def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: 
             mode=mode, kernels=kernels)
     x = x + h
     h = layers.rms_norm(x, layer["post_norm"], eps, zc)
-    return x + layers.feed_forward(layer, cfg, h), caches
+    return x + layers.feed_forward(layer, cfg, h, live_columns), caches
 
 
 @layers.weight_precision
 def forward(params, cfg: ModelConfig, caches: dict, batch: StepBatch, *, mode: str, kernels: str,
-            last_only: bool, taps: tuple[int, ...] = ()):
+            last_only: bool, taps: tuple[int, ...] = (), live_columns: int | None = None):
     """Run the trunk over batch.tokens [R, T].
 
     Returns (logits, hidden, caches): logits [R, T, V] float32 (or [R, 1, V] at each row's last valid
@@ -67,12 +67,14 @@ def forward(params, cfg: ModelConfig, caches: dict, batch: StepBatch, *, mode: s
     [R, T, len(taps) * H], the residual stream after each listed decoder layer, concatenated in
     the order given (docs/speculation.md#taps).
     mode: "prefill" (chunked GDN, final state kept) or "verify" (GDN snapshot per token).
+    live_columns (static): columns past it in every row are inert, never read (layers.feed_forward).
     """
     caches = {name: list(entries) for name, entries in caches.items()}
     x = params["embed"][batch.tokens]  # [R, T, H]
     tapped = {}
     for i, layer in enumerate(params["layers"]):
-        x, caches = decoder_layer(layer, cfg, i, x, batch, caches, mode=mode, kernels=kernels)
+        x, caches = decoder_layer(layer, cfg, i, x, batch, caches, mode=mode, kernels=kernels,
+                                  live_columns=live_columns)
         if i in taps:
             tapped[i] = x
     final = layers.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)

@@ -73,9 +73,11 @@ def zeros_state(shapes: dict) -> dict:
 @dataclass(frozen=True)
 class NoDrafter:
     """Plain decoding as a round without drafts: the verify is the one-token decode step. k > 0
-    adds inert columns (never verified: num_drafts is 0), so the step has the verify's shape."""
+    adds inert columns (never verified: num_drafts is 0), so the step has the verify's shape; the
+    MoE layers skip them (live_columns)."""
 
     k: int = 0
+    live_columns = 1  # a class attribute, not a field: the round's forward reads it
 
     def propose(self, dparams, dstate, rnd: RoundInputs, num_emitted):
         return jnp.zeros((rnd.seq_slot.shape[0], self.k), jnp.int32), None, dstate

@@ -96,3 +96,35 @@ def both_dtypes(p, x, path: str):
     model runs it under jit too)."""
     low = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), (p, x))
     return layers.moe(p, config(True), x, path=path), layers.moe(*low[:1], config(True), low[1], path=path)
+
+
+def test_inert_columns_route_no_experts():
+    """feed_forward with live_columns=1 on x [R, 2, H] (a plain decode step's inert second column):
+    the live column equals the unmasked MoE, the inert one is zeros, and only R rows are routed
+    (the router's top_k in the jaxpr sees R rows, not 2R)."""
+    p, x = inputs(6, seed=11)
+    x = jnp.asarray(x.reshape(3, 2, H))
+    layer = {"moe": {k: jnp.asarray(v) for k, v in p.items()}}
+    cfg = config(True)
+    full = layers.feed_forward(layer, cfg, x)
+    live = layers.feed_forward(layer, cfg, x, live_columns=1)
+    np.testing.assert_array_equal(np.asarray(live[:, 0]), np.asarray(full[:, 0]))
+    assert not np.asarray(live[:, 1]).any()
+    jaxpr = jax.make_jaxpr(functools.partial(layers.feed_forward, layer, cfg, live_columns=1))(x)
+    top_k_rows = [eqn.invars[0].aval.shape[0] for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "top_k"]
+    assert top_k_rows == [3], top_k_rows
+
+
+def test_an_moe_model_decodes_the_same_with_the_inert_column():
+    """decode_tokens=2 (the GPU default) on a Qwen3.5-MoE model: the MoE skips the inert column and
+    every greedy token equals the one-token step's."""
+    import dataclasses
+
+    import jaxspec
+
+    model = jaxspec.load("demo:qwen3_5_moe", cache_dir=None, dtype="float32", kernels="xla", max_model_len=64,
+                         max_num_seqs=2, prefill_chunk=16)
+    prompts = [[5, 9, 13, 2, 7], [11, 3, 3, 8]]
+    one = jaxspec.generate(dataclasses.replace(model, decode_tokens=1, _engines={}), prompts, max_new_tokens=12)
+    two = jaxspec.generate(dataclasses.replace(model, decode_tokens=2, _engines={}), prompts, max_new_tokens=12)
+    assert two.token_ids == one.token_ids
