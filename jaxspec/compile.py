@@ -28,9 +28,15 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _CACHE_MISS = "/jax/compilation_cache/cache_misses"
 
 
+# A jit call that misses the C++ dispatch cache but hits Python's trace cache still reports a
+# trace event, of some microseconds; tracing one of the engine's functions takes milliseconds.
+REAL_TRACE_S = 1e-3
+
+
 @dataclass
 class CompileCount:
     traces: int = 0
+    real_traces: int = 0  # traces that took >= REAL_TRACE_S: a function was actually traced
     backend_compiles: int = 0  # XLA compiles plus persistent-cache loads
     cache_hits: int = 0
     cache_misses: int = 0
@@ -51,6 +57,7 @@ def _on_duration(name: str, seconds: float, **_) -> None:
     for count in _active:
         if name == _TRACE:
             count.traces += 1
+            count.real_traces += seconds >= REAL_TRACE_S
             count.trace_seconds += seconds
         elif name == _BACKEND:
             count.backend_compiles += 1
