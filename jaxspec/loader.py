@@ -40,7 +40,7 @@ class Model:
     max_model_len: int = 2048
     max_num_seqs: int = 8
     prefill_chunk: int = 64
-    prefill_rows: int = 1  # requests whose prompt chunks share one prefill call (1 = one request per call)
+    prefill_rows: int | str = "auto"  # requests whose prompt chunks share one prefill call; "auto" = min(8, max_num_seqs)
     page_size: int = 16
     request_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
     max_num_speculative_tokens: int = 0  # sizes GDN state slots; 0 = sized by each call's k
@@ -57,6 +57,10 @@ class Model:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids
+
+    def __post_init__(self):
+        if self.prefill_rows == "auto":  # a Model built directly (load resolves it while validating)
+            self.prefill_rows = min(AUTO_PREFILL_ROWS, self.max_num_seqs)
 
     @property
     def decode_pad(self) -> int:

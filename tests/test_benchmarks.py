@@ -162,7 +162,7 @@ def test_profile_step_smoke(smoke):
     assert steps == ["decode (engine round, greedy, 0 inert)", "decode (engine round, sampling, 0 inert)",
                      "decode x4 rounds per dispatch (0 inert)", "decode T=1 (engine round, greedy, no inert column)",
                      "forward+argmax T=1", "forward+argmax T=2", "verify round k=1 T=2",
-                     "prefill chunk C=16 (one request)"]
+                     "prefill chunk C=16 x 1 request"]
     for r in doc["results"]:
         assert r["pipelined_ms"] > 0 and r["floor_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
     prefill = doc["results"][-1]  # its floor: the slower of its bytes and its FLOPs at the measured matmul rate
