@@ -25,7 +25,11 @@ from jaxspec.compile import count_compiles
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py gives the CPU 4)")
 
-SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=40, max_num_seqs=3, prefill_chunk=8, page_size=4)
+# No persistent compilation cache: jaxlib 0.10's XLA:CPU crashed (SIGSEGV / SIGABRT) twice inside the
+# cache write of a 2-device executable in the full suite (compilation_cache.put_executable_and_time),
+# never when this file ran alone; the multi-device executables are not worth caching here.
+SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=40, max_num_seqs=3, prefill_chunk=8, page_size=4,
+                cache_dir=None)
 PROMPTS = [[5, 6, 7], list(range(10, 19)), list(range(40, 57))]  # 3, 9, 17 tokens: across chunks and pages
 NEW = 8
 # fixture kind -> tensor-parallel sizes its tiny model divides (hybrids have 2 GDN key heads; qwen3 at 4
@@ -236,7 +240,7 @@ TWO_PROCESSES = """
 import json, sys
 import jaxspec
 jaxspec.initialize_distributed(f"localhost:{sys.argv[1]}", 2, int(sys.argv[2]))
-m = jaxspec.load(sys.argv[3], tensor_parallel_size=2, cache_dir=None, **json.loads(sys.argv[4]))
+m = jaxspec.load(sys.argv[3], tensor_parallel_size=2, **json.loads(sys.argv[4]))  # SETTINGS: no disk cache
 print("TOKENS", json.dumps(jaxspec.generate(m, json.loads(sys.argv[5]), max_new_tokens=int(sys.argv[6])).token_ids))
 """
 
