@@ -61,16 +61,6 @@ def test_mtp_head_is_causal():
     assert not np.allclose(ra[21:], rb[21:])
 
 
-def test_unit_lower_inverse():
-    rng = np.random.default_rng(2)
-    a = np.tril(0.3 * rng.standard_normal((3, 64, 64)), -1).astype(np.float32)
-    want = np.linalg.inv(np.eye(64) + a.astype(np.float64))
-    np.testing.assert_allclose(np.asarray(train.unit_lower_inverse(jnp.asarray(a))), want, rtol=0,
-                               atol=1e-6 * np.abs(want).max())
-    with pytest.raises(ValueError, match="power of two"):
-        train.unit_lower_inverse(jnp.zeros((48, 48)))
-
-
 def test_chunk_gated_delta_matches_reference():
     """GVA (HV = 2 HK), dk != dv, T not a multiple of the chunk; against the float64 per-token loop."""
     from pallas_kernels.gated_delta import reference as ref

@@ -3,12 +3,9 @@ docs/architecture.md, so that trained params load straight into jaxspec.
 
 Same math as `model.forward` with the engine's caches replaced by a whole sequence: dense causal
 attention instead of paged attention, and for GDN the reference `causal_conv1d` (zero start window)
-and the chunked WY/UT form of the reference `chunk_gated_delta` (zero start state), with one change:
-T = (I + A)^-1 comes from log2(C) levels of block-doubling matmuls instead of
-`lax.linalg.triangular_solve`. The math is the same; the reason is jaxlib 0.10's CPU LAPACK kernels,
-which fan a batch out over XLA's intra-op pool and block on it, so two triangular solves running
-concurrently on a 2-thread pool (as a backward pass schedules them) deadlock (seen here: both pool
-threads parked in `lapack_strsm_ffi` -> `ParallelBatchMap` -> `BlockingCounter::Wait`).
+and the reference `chunk_gated_delta` from a zero state (its T = (I + A)^-1 comes from block-doubling
+matmuls, not a LAPACK triangular solve, which deadlocks on the CPU when a backward pass runs two at
+once: `reference.unit_lower_inverse`).
 tests/test_train_forward.py checks the logits against `jaxspec.score`. Also the MTP head
 (docs/model_math.md#mtp-head) for joint training.
 
@@ -31,58 +28,12 @@ MASK_VALUE = -1e30
 GDN_CHUNK = 64  # the chunk size of the engine's prefill path
 
 
-def unit_lower_inverse(a):
-    """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two, float32.
-
-    Block doubling: if D inverts the diagonal blocks of size s of L = I + a, then over blocks of
-    size 2s, inv([[L11, 0], [L21, L22]]) = [[D1, 0], [-D2 L21 D1, D2]] = D - D L_off D, where L_off
-    keeps a's lower-left s x s sub-block inside each 2s block. Exact block inversion (as stable as
-    substitution), log2(C) levels of two matmuls each, no LAPACK call."""
-    C = a.shape[-1]
-    if C & (C - 1):
-        raise ValueError(f"chunk size {C} must be a power of two")
-    i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
-    inv = jnp.broadcast_to(jnp.eye(C, dtype=a.dtype), a.shape)
-    s = 1
-    while s < C:
-        off = (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & ((j // s) % 2 == 0)  # [C, C]
-        inv = inv - gdn_ref._einsum("...ij,...jk->...ik", inv, gdn_ref._einsum("...ij,...jk->...ik",
-                                                                                jnp.where(off, a, 0.0), inv))
-        s *= 2
-    return inv
-
-
-def _intra_chunk(q, k, v, g, beta):
-    """The reference's `_intra_chunk` (same inputs and outputs, [..., C, ...] per chunk) with
-    T = (I + A)^-1 from `unit_lower_inverse`."""
-    C = g.shape[-1]
-    G = jnp.cumsum(g, axis=-1)  # [..., C] log of prod_{s<=i} alpha_s
-    diff = G[..., :, None] - G[..., None, :]  # [..., C, C] G_i - G_j
-    row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
-    gamma_strict = gdn_ref._masked_exp(diff, row > col)
-    gamma_incl = gdn_ref._masked_exp(diff, row >= col)
-    a = beta[..., :, None] * gdn_ref._einsum("...id,...jd->...ij", k, k) * gamma_strict  # A, strictly lower
-    t = unit_lower_inverse(a)
-    u = gdn_ref._einsum("...ij,...jd->...id", t, beta[..., None] * v)  # T (beta v)
-    w = gdn_ref._einsum("...ij,...jd->...id", t, (beta * jnp.exp(G))[..., None] * k)  # T (beta exp(G) k)
-    attn = gdn_ref._einsum("...id,...jd->...ij", q, k) * gamma_incl
-    q_dec = jnp.exp(G)[..., None] * q
-    k_dec = jnp.exp(G[..., -1:] - G)[..., None] * k
-    return q_dec, k_dec, u, w, attn, jnp.exp(G[..., -1])
-
-
 def chunk_gated_delta(q, k, v, g, beta, *, chunk_size: int = GDN_CHUNK):
-    """The reference `chunk_gated_delta` from a zero state (see the module docstring). q, k
-    [B, T, HK, dk] (normalised, q scaled); v [B, T, HV, dv]; g, beta [B, T, HV] -> o [B, T, HV, dv] f32."""
-    q, k, v, g, beta = gdn_ref._prepare(q, k, v, g, beta)
-    B, T, HV, dv = v.shape
-    pad = (-T) % chunk_size  # g = beta = 0 and q = k = v = 0 leave the state unchanged
-    q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
-    chunks = _intra_chunk(*(gdn_ref._to_chunks(x, chunk_size) for x in (q, k, v, g, beta)))
+    """The reference `chunk_gated_delta` from a zero state. q, k [B, T, HK, dk] (normalised, q
+    scaled); v [B, T, HV, dv]; g, beta [B, T, HV] -> o [B, T, HV, dv] f32."""
+    B, _, HV, dv = v.shape
     h0 = jnp.zeros((B, HV, q.shape[-1], dv), F32)
-    _, o = jax.lax.scan(gdn_ref._chunk_step, h0, chunks)  # o [N, B, HV, C, dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(B, HV, T + pad, dv)
-    return jnp.moveaxis(o, 1, 2)[:, :T]
+    return gdn_ref.chunk_gated_delta(q, k, v, g, beta, h0, chunk_size=chunk_size)[0]
 
 
 def _qkv(p, cfg: ModelConfig, x, positions):

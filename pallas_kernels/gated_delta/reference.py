@@ -108,6 +108,31 @@ def _to_chunks(x, chunk_size: int):
     return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
 
+def unit_lower_inverse(a):
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two, float32.
+
+    Block doubling: if D inverts the diagonal blocks of size s of L = I + a, then over blocks of
+    size 2s, inv([[L11, 0], [L21, L22]]) = [[D1, 0], [-D2 L21 D1, D2]] = D - D L_off D, where L_off
+    keeps a's lower-left s x s sub-block inside each 2s block. Exact block inversion (as stable as
+    substitution), log2(C) levels of two matmuls each.
+
+    Why not `lax.linalg.triangular_solve`: on the CPU, jaxlib 0.10's LAPACK kernel fans its batch
+    out over XLA's intra-op thread pool and blocks on it, so as many concurrent solves as pool
+    threads (tensor-parallel devices running in lockstep, a backward pass) deadlock the process
+    (docs/benchmarks.md, "Tensor parallelism")."""
+    C = a.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"chunk size {C} must be a power of two")
+    i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    inv = jnp.broadcast_to(jnp.eye(C, dtype=a.dtype), a.shape)
+    s = 1
+    while s < C:
+        off = (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & ((j // s) % 2 == 0)  # [C, C]
+        inv = inv - _einsum("...ij,...jk->...ik", inv, _einsum("...ij,...jk->...ik", jnp.where(off, a, 0.0), inv))
+        s *= 2
+    return inv
+
+
 def _intra_chunk(q, k, v, g, beta):
     """Everything that does not depend on the state entering a chunk (docs/model_math.md#chunked-prefill).
 
@@ -126,11 +151,12 @@ def _intra_chunk(q, k, v, g, beta):
     col = jnp.arange(C)[None, :]
     gamma_strict = _masked_exp(diff, row > col)
     gamma_incl = _masked_exp(diff, row >= col)
-    # A_ij = beta_i (k_i . k_j) exp(G_i - G_j), strictly lower; T = (I + A)^-1 by exact triangular solve.
+    # A_ij = beta_i (k_i . k_j) exp(G_i - G_j), strictly lower; T = (I + A)^-1 exactly, by block
+    # doubling (matmuls, no LAPACK call: see unit_lower_inverse).
     a = beta[..., :, None] * _einsum("...id,...jd->...ij", k, k) * gamma_strict
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(G))[..., None] * k], axis=-1)
-    uw = lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = uw[..., : v.shape[-1]], uw[..., v.shape[-1] :]
+    t = unit_lower_inverse(a)
+    u = _einsum("...ij,...jd->...id", t, beta[..., None] * v)  # T (beta v)
+    w = _einsum("...ij,...jd->...id", t, (beta * jnp.exp(G))[..., None] * k)  # T (beta exp(G) k)
     attn = _einsum("...id,...jd->...ij", q, k) * gamma_incl
     q_dec = jnp.exp(G)[..., None] * q
     k_dec = jnp.exp(G[..., -1:] - G)[..., None] * k
@@ -151,8 +177,8 @@ def chunk_gated_delta(q, k, v, g, beta, h0, *, chunk_size: int = 64):
     """Chunked (WY/UT) gated delta rule; same math as `recurrent_gated_delta`.
 
     Args: as `recurrent_gated_delta` (q, k [B, T, HK, dk]; v [B, T, HV, dv]; g, beta [B, T, HV];
-      h0 [B, HV, dk, dv] float32). T need not divide chunk_size: the tail is padded with
-      g = beta = 0 and q = k = v = 0, which leaves the state unchanged, and sliced off.
+      h0 [B, HV, dk, dv] float32); chunk_size a power of two. T need not divide chunk_size: the
+      tail is padded with g = beta = 0 and q = k = v = 0, which leaves the state unchanged, and sliced off.
     Returns: o [B, T, HV, dv] float32, h_final [B, HV, dk, dv] float32.
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta)

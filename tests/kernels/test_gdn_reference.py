@@ -4,6 +4,8 @@ Closeness is relative RMS, rms(a - b) / rms(b), against a float64 per-token loop
 held to 1e-5. The pool functions run under jax.jit, as the engine calls them.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -353,3 +355,24 @@ def test_conv_padding_rows_and_fresh_rows(mode):
     np.testing.assert_array_equal(new_lines[np.array([1, 3])], lines[np.array([1, 3])])
     head = new_lines[2, : K - 1] if mode == "prefill" else new_lines[2, K - 2 : K - 1 + 2]
     np.testing.assert_array_equal(head, state_ref[0])
+
+
+def test_unit_lower_inverse():
+    rng = np.random.default_rng(2)
+    a = np.tril(0.3 * rng.standard_normal((3, 64, 64)), -1).astype(np.float32)
+    want = np.linalg.inv(np.eye(64) + a.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(R.unit_lower_inverse(jnp.asarray(a))), want, rtol=0,
+                               atol=1e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match="power of two"):
+        R.unit_lower_inverse(jnp.zeros((48, 48)))
+
+
+def test_chunked_form_calls_no_lapack():
+    """T = (I + A)^-1 by matmuls: on the CPU, jaxlib's LAPACK triangular solve fans its batch out over
+    XLA's intra-op pool and blocks on it, so tensor-parallel devices running the prefill in lockstep
+    parked every pool thread in it and hung (docs/benchmarks.md, "Tensor parallelism")."""
+    rng = np.random.default_rng(5)
+    inputs = make_inputs(rng, 2, 65, 2, 4)
+    hlo = chunk.lower(*inputs, np.zeros((2, 4, DK, DV), np.float32), chunk_size=16).compile().as_text()
+    calls = re.findall(r'custom_call_target="([^"]+)"|\b(triangular-solve)\(', hlo)
+    assert not [c for c in calls if re.search(r"lapack|trsm|triangular", "".join(c))], calls
