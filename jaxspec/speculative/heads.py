@@ -98,7 +98,9 @@ def layer_config(d: dict) -> ModelConfig:
                        head_dim=_positive({"head_dim": d.get("head_dim") or hidden // heads}, "head_dim"),
                        intermediate_size=_positive(d, "intermediate_size"),
                        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-                       partial_rotary_factor=factor, layer_types=(FULL,) * n, mlp_kinds=("dense",) * n)
+                       partial_rotary_factor=factor,
+                       max_position_embeddings=_positive(d, "max_position_embeddings", 32768),
+                       layer_types=(FULL,) * n, mlp_kinds=("dense",) * n)
 
 
 def layer_spec(cfg: ModelConfig, p: str, q_in: int, qk_norm: bool) -> dict:

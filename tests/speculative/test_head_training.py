@@ -18,7 +18,7 @@ import pytest
 
 from jaxspec import demo
 from jaxspec.models import train
-from jaxspec.speculative import dflash, eagle3
+from jaxspec.speculative import dflash, eagle3, heads
 from jaxspec.weights import read_checkpoint_tensors
 from tests.speculative.tap_checkpoints import write_dflash, write_eagle3
 
@@ -62,6 +62,17 @@ def test_dflash_save_load_round_trip(tmp_path, bf16):
     back = dflash.load(tmp_path / "out")
     assert back.config == head.config
     _leaves_equal(params, back.params)
+
+
+def test_layer_config_json_reads_back_every_field():
+    """The draft layers' config.json (written by save) reads back to the same ModelConfig, including
+    fields away from their defaults."""
+    cfg = heads.layer_config({"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "vocab_size": V,
+                              "rms_norm_eps": 1e-5, "rope_theta": 5e5, "partial_rotary_factor": 0.5,
+                              "max_position_embeddings": 2048})
+    assert cfg.max_position_embeddings == 2048 and cfg.partial_rotary_factor == 0.5
+    assert heads.layer_config(heads.layer_config_json(cfg)) == cfg
 
 
 def test_save_refuses_mixed_float_dtypes(tmp_path):
