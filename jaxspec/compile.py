@@ -141,6 +141,7 @@ def enable_persistent_cache(cache_dir: str | os.PathLike | None = "default") -> 
 
     if cache_dir is None:
         jax.config.update("jax_enable_compilation_cache", False)
+        _reset_jax_cache()
         _enabled_dir[0] = None
         return None
     path = check_cache_dir(default_cache_dir() if cache_dir == "default" else cache_dir)
@@ -150,14 +151,21 @@ def enable_persistent_cache(cache_dir: str | os.PathLike | None = "default") -> 
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    try:  # the cache object is created once per process; re-point it at the new directory
+    _reset_jax_cache()
+    _enabled_dir[0] = str(path)
+    return path
+
+
+def _reset_jax_cache() -> None:
+    """JAX decides once per process whether the persistent cache is in use and creates its cache
+    object once; reset both so that a new directory, or the cache turned off, takes effect (without
+    it, cache_dir=None after a cached load kept writing to the old directory)."""
+    try:
         from jax.experimental.compilation_cache import compilation_cache as cc
 
         cc.reset_cache()
     except (ImportError, AttributeError):
         pass
-    _enabled_dir[0] = str(path)
-    return path
 
 
 # ------------------------------------------------------------------------------------------------

@@ -158,6 +158,31 @@ def test_bad_flags_exit_nonzero(flags, message, tmp_path):
     assert not cache.exists()
 
 
+OFF_SCRIPT = """
+import sys
+from pathlib import Path
+import jax, jax.numpy as jnp
+from jaxspec import compile as jc
+cache = Path(sys.argv[1])
+jc.enable_persistent_cache(cache)
+jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()
+on = len(list(cache.rglob("*")))
+jc.enable_persistent_cache(None)
+jax.jit(lambda x: x * 3)(jnp.ones(5)).block_until_ready()
+print(on, len(list(cache.rglob("*"))))
+"""
+
+
+def test_cache_dir_none_stops_writes_in_a_process_that_cached(tmp_path):
+    """cache_dir=None after a cached load must turn JAX's cache off, not only its config flag: jax
+    decides once per process whether the cache is used (the tensor-parallel tests load with
+    cache_dir=None after other files cached, and kept serializing executables)."""
+    out = run(["-c", OFF_SCRIPT, str(tmp_path / "xla")])
+    assert out.returncode == 0, out.stderr
+    on, off = map(int, out.stdout.split()[-2:])
+    assert on >= 1 and off == on, out.stdout
+
+
 def test_missing_model_and_unwritable_cache_dir(tmp_path):
     cache = tmp_path / "cache"
     out = cli("precompile", "--model", str(tmp_path / "nope"), "--cache-dir", str(cache))
