@@ -25,9 +25,10 @@ from jaxspec.compile import count_compiles
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py gives the CPU 4)")
 
-# No persistent compilation cache: jaxlib 0.10's XLA:CPU crashes (SIGSEGV) serializing some 2-device
-# executables for the cache (compilation_cache.put_executable_and_time, from the mtp prefill at TP 2);
-# the multi-device executables are not worth caching here (docs/benchmarks.md, "Tensor parallelism").
+# This file runs in a fresh process of its own (tests/conftest.py, FRESH_PROCESS_FILES): jaxlib 0.10's
+# XLA:CPU segfaulted compiling its prefill executables after other files had run in the same process.
+# No persistent compilation cache: one of those crashes was inside the cache write of a 2-device
+# executable, and the multi-device executables are not worth caching here.
 SETTINGS = dict(dtype="float32", kernels="xla", max_model_len=40, max_num_seqs=3, prefill_chunk=8, page_size=4,
                 cache_dir=None)
 PROMPTS = [[5, 6, 7], list(range(10, 19)), list(range(40, 57))]  # 3, 9, 17 tokens: across chunks and pages
