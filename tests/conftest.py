@@ -45,9 +45,9 @@ def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
 
 # ---- Files whose tests run in a fresh process ------------------------------------------------
 # jaxlib 0.10's XLA:CPU segfaulted compiling (or serializing) a tensor-parallel prefill executable
-# when the process had already run other test files first: in every full-suite run since the
-# prefill row buckets (4 of 4), and in one process running 6 of the suite's files before it; never
-# in a fresh process (the file alone passed 4 of 4). A crashed worker ends the whole run, so these
+# when the process had already run other test files first: in 4 of 4 full-suite runs, and in one
+# process running 6 of the suite's files before it; never in a fresh process (the file alone
+# passed 4 of 4). A crashed worker ends the whole run, so these
 # files run in a child pytest of their own, once per session, and each of their tests reports the
 # child's outcome for it (docs/benchmarks.md, "Tensor parallelism").
 FRESH_PROCESS_FILES = ("test_tensor_parallel.py",)
