@@ -112,7 +112,7 @@ def test_first_round_token_follows_target_distribution(tiny, plain_pairs, monkey
 
     # Deliberately wrong verifiers must fail the same test. The round is retraced for each
     # (round_executable's cache is bypassed), so the correct executable is never replaced.
-    monkeypatch.setattr(loop, "round_executable", round_module.round_executable.__wrapped__)
+    monkeypatch.setattr(loop, "round_executable", round_module._round_executable.__wrapped__)
     with monkeypatch.context() as wrong:
         wrong.setattr(round_module, "rejection_sample", _always_accept)
         assert _conditional_pvalue(_first_two(tiny, ngram), exact) < 1e-12
