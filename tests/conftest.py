@@ -47,9 +47,9 @@ def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
 # jaxlib 0.10's XLA:CPU segfaulted compiling (or serializing) a tensor-parallel prefill executable
 # when the process had already run other test files first: in 4 of 4 full-suite runs, and in one
 # process running 6 of the suite's files before it; never in a fresh process (the file alone
-# passed 4 of 4). A crashed worker ends the whole run, so these
-# files run in a child pytest of their own, once per session, and each of their tests reports the
-# child's outcome for it (docs/benchmarks.md, "Tensor parallelism").
+# passed 4 of 4). A crashed worker ends the whole run, so these files run in a child pytest of
+# their own, once per session, and each of their tests reports the child's outcome for it
+# (docs/benchmarks.md, "Tensor parallelism").
 FRESH_PROCESS_FILES = ("test_tensor_parallel.py",)
 _CHILD_ENV = "JAXSPEC_TEST_FRESH_PROCESS"
 _CHILD_TIMEOUT_S = 1100  # under the suite's per-test timeout (pyproject.toml), which the first test pays
@@ -70,7 +70,7 @@ def _report_child_outcome(item) -> None:
     if results is None:
         names = [i.nodeid for i in item.session.items if i.path == item.path]
         results = _child_results[item.path] = _run_child(item.config.rootpath, names)
-    kind, text = results.get(item.name, ("missing", results.get("", ("", ""))[1]))
+    kind, text = results.get(item.name, ("missing", results[""][1]))
     if kind == "skipped":
         pytest.skip(text)
     if kind != "passed":
