@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,8 +23,32 @@ import pytest  # noqa: E402
 
 from tests.hf_fixtures import make_hf_checkpoint  # noqa: E402
 
-# The suite's persistent compilation cache: a fresh directory per run, never the user's cache.
-os.environ["JAXSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
+# The suite's persistent compilation cache: a fresh directory per run, never the user's cache. The
+# process that starts the run makes it; pytest-xdist workers and the subprocesses of tests inherit it,
+# so an executable one worker compiled is a cache hit for the other. The starting process removes it.
+_RUN_CACHE_ENV = "JAXSPEC_TEST_RUN_CACHE_DIR"
+_made_run_cache = not os.environ.get(_RUN_CACHE_ENV)
+if _made_run_cache:
+    os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
+os.environ["JAXSPEC_CACHE_DIR"] = os.environ[_RUN_CACHE_ENV]
+
+
+def pytest_unconfigure(config):
+    if _made_run_cache:
+        shutil.rmtree(os.environ[_RUN_CACHE_ENV], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """XLA:CPU maps each compiled kernel into memory regions of its own (~400 mappings per
+    executable of these tiny models). One xdist worker of a full run reached 64,391 mappings of
+    Linux's default vm.max_map_count of 65,530 with only tests/speculative releasing its
+    executables; past the limit the compiler segfaults. Drop the compiled executables after every
+    module (a later use reloads them from the run's persistent compilation cache)."""
+    yield
+    import jax
+
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,7 @@ class Family:
 def pytest_collection_modifyitems(items):
     """Run the tests parametrized by a family (the module-scoped `fam` fixture of
     test_spec_parity.py) family by family, so each family's executables are compiled once and
-    released before the next family's (see _release_executables)."""
+    released before the next family's (see _release_executables in tests/conftest.py)."""
     here = Path(__file__).parent
     positions = [i for i, item in enumerate(items) if item.path.parent == here
                  and "fam" in getattr(getattr(item, "callspec", None), "params", {})]
@@ -96,16 +96,6 @@ def pytest_collection_modifyitems(items):
                      key=lambda item: (FAMILIES.index(item.callspec.params["fam"]), item.callspec.params.get("k", 0)))
     for i, item in zip(positions, grouped, strict=True):
         items[i] = item
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_executables():
-    """XLA:CPU maps each compiled kernel into memory regions of its own (~400 mappings per
-    executable of these tiny models); a long session exceeds vm.max_map_count (65530) and the
-    compiler segfaults. Drop the compiled executables after each module (a later use reloads them
-    from the suite's persistent compilation cache)."""
-    yield
-    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
