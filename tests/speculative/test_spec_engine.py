@@ -87,8 +87,9 @@ def test_padding_rows_change_nothing(family):
 @pytest.mark.parametrize("method", [None, "ngram", "draft_model"], ids=["plain", "ngram", "draft_model"])
 def test_steady_state_compiles_nothing(family, method):
     """After one warm-up per request bucket, prefill row bucket (1, 2, 3 rows for max_num_seqs 3)
-    and sampling mode (greedy / sampled: a static specialisation in the bucket table), new prompts (new lengths, new contents), new batch sizes
-    inside the bucket table and new sampling settings trace and compile nothing."""
+    and sampling mode (greedy / sampled: a static specialisation in the bucket table), new prompts
+    (new lengths, new contents), new batch sizes inside the bucket table and new sampling settings
+    trace and compile nothing."""
     fam = family("qwen3_5")
     model, spec = fam.batch, _spec(fam, method)
     for batch in (fam.prompts[:3], fam.prompts[:2], fam.prompts[:1]):  # every row bucket, both sampling modes
