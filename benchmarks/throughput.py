@@ -7,7 +7,10 @@ with the speculative path's own greedy output as reference), for each k in --ks.
 output tok/s, time to first token and per-token latency (p50 / p99 over requests and tokens, from
 a streamed run's arrival times: the host sees a dispatch's tokens when it reads it back), the KV
 pool's peak occupancy and the preemptions. The engine holds max(--batches) slots; --num-kv-pages
-shrinks the pool to force preemption. Where speculation stops paying as B grows, the verify is no
+shrinks the pool to force preemption. With --requests-per-slot W > 1 a cell is sustained load instead of
+one wave: B x W requests through an engine of B slots (max_num_seqs = B), so a finished request's slot
+is refilled at once and the batch stays full until the last W-th of the work (B = 1 runs W requests
+one after another). Where speculation stops paying as B grows, the verify is no
 longer flat in t: compare each speculative row's tok/s with plain at the same B.
 """
 
@@ -33,6 +36,9 @@ def parse(argv=None):
     p.add_argument("--batches", default="1,8,32,64", help="requests per generate call")
     p.add_argument("--prompt-lens", default="32,512", help="min,max prompt tokens")
     p.add_argument("--new-tokens", default="32,256", help="min,max generated tokens per request")
+    p.add_argument("--requests-per-slot", type=int, default=1,
+                   help="W: each cell runs B x W requests through B slots (1 = one wave of B requests, all slots "
+                        "of max(--batches))")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ks", default="3,7", help="draft lengths of the speculative runs")
     p.add_argument("--alpha", type=float, default=0.8, help="replay acceptance rate")
@@ -53,6 +59,8 @@ def parse(argv=None):
         raise SystemExit("--prompt-lens and --new-tokens take min,max with 1 <= min <= max")
     base = common.SMOKE_ENGINE if args.smoke else common.ENGINE
     need = lo_hi[0][1] + lo_hi[1][1] + max(ks) + 1
+    if args.requests_per_slot < 1:
+        raise SystemExit(f"--requests-per-slot takes a positive count, got {args.requests_per_slot}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk takes a positive token count, got {args.prefill_chunk}")
     if args.prefill_rows != "auto" and not 1 <= args.prefill_rows <= max(batches):
@@ -65,12 +73,14 @@ def parse(argv=None):
 
 
 def workload(batch: int, args, vocab: int) -> tuple[list[list[int]], list[int]]:
-    """batch prompts and output lengths, drawn from a seed that depends on the batch size only."""
+    """batch x --requests-per-slot prompts and output lengths, drawn from a seed that depends on those
+    two numbers only (one wave keeps the seed of earlier runs)."""
     import numpy as np
 
-    rng = np.random.default_rng(1000 + batch)
-    lens = rng.integers(args.prompt_range[0], args.prompt_range[1] + 1, batch)
-    news = rng.integers(args.new_range[0], args.new_range[1] + 1, batch)
+    waves = args.requests_per_slot
+    rng = np.random.default_rng(1000 + batch + (0 if waves == 1 else 1_000_000 * waves))
+    lens = rng.integers(args.prompt_range[0], args.prompt_range[1] + 1, batch * waves)
+    news = rng.integers(args.new_range[0], args.new_range[1] + 1, batch * waves)
     return [rng.integers(0, min(vocab, 32000), int(n)).tolist() for n in lens], [int(n) for n in news]
 
 
@@ -136,7 +146,7 @@ def run_batch(model, batch: int, args, res, budget) -> None:
             timed_stream(model, prompts, news, spec)  # warm: every bucket the run passes through
             runs = [timed_stream(model, prompts, news, spec) for _ in range(args.repeats)]
             item = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-            res.add({"batch": batch, "method": method, "k": k, **item})
+            res.add({"batch": batch, "requests": len(prompts), "method": method, "k": k, **item})
             log(f"  {what}: {item['tokens_per_s']:.1f} tok/s, ttft p50 {fmt(item['ttft_p50_ms'], 1)} ms, "
                 f"pool peak {fmt(item['pool_peak'])}, {item['preemptions']} preemptions")
         except Exception as e:
@@ -151,6 +161,8 @@ def _plain_tokens(model, prompts, news) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
+    from jaxspec.loader import AUTO_PREFILL_ROWS
+
     args = parse(argv)
     names = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b", "qwen3.5-2b"))
     layers = common.parse_layers(args.layers, names)
@@ -167,6 +179,11 @@ def main(argv=None) -> int:
         log(f"{name}: KV pool {ecfg.total_pages - 1} pages of {ecfg.page_size}")
         for batch in args.batch_list:
             before = len(res.data["results"])
+            if args.requests_per_slot > 1:  # sustained load: B slots, so B = 1 runs its requests in turn
+                model._engines.clear()
+                model.max_num_seqs = batch
+                rows = AUTO_PREFILL_ROWS if args.prefill_rows == "auto" else args.prefill_rows
+                model.prefill_rows = min(rows, batch)
             run_batch(model, batch, args, res, budget)
             for r in res.data["results"][before:]:
                 r["shape"] = name
@@ -177,11 +194,11 @@ def main(argv=None) -> int:
 
 
 def print_tables(res) -> None:
-    rows = [[r.get("shape", ""), r["batch"], r["method"], r["k"] or "", fmt(r["tokens_per_s"], 1), fmt(r["tau"]),
+    rows = [[r.get("shape", ""), r["batch"], r.get("requests", r["batch"]), r["method"], r["k"] or "", fmt(r["tokens_per_s"], 1), fmt(r["tau"]),
              fmt(r["ttft_p50_ms"], 1), fmt(r["ttft_p99_ms"], 1), fmt(r["token_latency_p50_ms"], 2),
              fmt(r["token_latency_p99_ms"], 2), fmt(r["pool_peak"]), r["preemptions"]] for r in res.data["results"]]
     print("\nthroughput (one generate call per row; latency from streamed arrival times)")
-    print(common.format_table(rows, ["shape", "B", "method", "k", "tok/s", "tau", "ttft p50", "ttft p99",
+    print(common.format_table(rows, ["shape", "B", "requests", "method", "k", "tok/s", "tau", "ttft p50", "ttft p99",
                                      "tok p50 ms", "tok p99 ms", "pool peak", "preempt"]))
 
 

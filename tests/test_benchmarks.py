@@ -281,3 +281,16 @@ def test_default_arguments_parse(name):
     of one repeat once made throughput.py refuse to start on the GPU)."""
     args = importlib.import_module(f"benchmarks.{name}").parse([])
     assert args.smoke is False
+
+
+def test_throughput_sustained_load_workload():
+    """--requests-per-slot W: a cell draws B x W requests (a seed of its own; W = 1 keeps the one-wave
+    workload of earlier runs), and a count below 1 is refused."""
+    from benchmarks import throughput
+
+    one, three = throughput.parse(["--smoke"]), throughput.parse(["--smoke", "--requests-per-slot", "3"])
+    prompts, news = throughput.workload(2, three, vocab=256)
+    assert len(prompts) == len(news) == 6
+    assert throughput.workload(2, one, vocab=256)[0] != prompts[:2]
+    with pytest.raises(SystemExit, match="requests-per-slot"):
+        throughput.parse(["--smoke", "--requests-per-slot", "0"])
