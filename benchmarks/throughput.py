@@ -196,7 +196,8 @@ def main(argv=None) -> int:
 def print_tables(res) -> None:
     rows = [[r.get("shape", ""), r["batch"], r.get("requests", r["batch"]), r["method"], r["k"] or "",
              fmt(r["tokens_per_s"], 1), fmt(r["tau"]), fmt(r["ttft_p50_ms"], 1), fmt(r["ttft_p99_ms"], 1),
-             fmt(r["token_latency_p50_ms"], 2), fmt(r["token_latency_p99_ms"], 2), fmt(r["pool_peak"]), r["preemptions"]] for r in res.data["results"]]
+             fmt(r["token_latency_p50_ms"], 2), fmt(r["token_latency_p99_ms"], 2), fmt(r["pool_peak"]),
+             r["preemptions"]] for r in res.data["results"]]
     print("\nthroughput (one generate call per row; latency from streamed arrival times)")
     print(common.format_table(rows, ["shape", "B", "requests", "method", "k", "tok/s", "tau", "ttft p50", "ttft p99",
                                      "tok p50 ms", "tok p99 ms", "pool peak", "preempt"]))
