@@ -6,12 +6,14 @@ Each batch size B runs B requests whose prompt and output lengths are drawn unif
 with the speculative path's own greedy output as reference), for each k in --ks. Reported per run:
 output tok/s, time to first token and per-token latency (p50 / p99 over requests and tokens, from
 a streamed run's arrival times: the host sees a dispatch's tokens when it reads it back), the KV
-pool's peak occupancy and the preemptions. The engine holds max(--batches) slots; --num-kv-pages
-shrinks the pool to force preemption. With --requests-per-slot W > 1 a cell is sustained load instead of
-one wave: B x W requests through an engine of B slots (max_num_seqs = B), so a finished request's slot
-is refilled at once and the batch stays full until the last W-th of the work (B = 1 runs W requests
-one after another). Where speculation stops paying as B grows, the verify is no
-longer flat in t: compare each speculative row's tok/s with plain at the same B.
+pool's peak occupancy, the preemptions and the prefill calls. The engine holds max(--batches) slots;
+--num-kv-pages shrinks the pool to force preemption. With --requests-per-slot W > 1 a cell is
+sustained load instead of one wave: B x W requests through an engine of B slots (max_num_seqs = B),
+so a finished request's slot is refilled at once and the batch stays full until the last W-th of the
+work (B = 1 runs W requests one after another). --profile adds, per cell, one call inside a
+jax.profiler trace: its device-busy time, kernel count and top kernels beside its wall time. Where
+speculation stops paying as B grows, the verify is no longer flat in t: compare each speculative
+row's tok/s with plain at the same B.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def parse(argv=None):
                    help="prompt tokens per prefill call (default: benchmarks/common.ENGINE's)")
     p.add_argument("--prefill-rows", type=lambda t: t if t == "auto" else int(t), default="auto",
                    help="requests whose prompt chunks share a prefill call ('auto': the engine's default)")
+    p.add_argument("--profile", action="store_true",
+                   help="per cell, one more call inside a jax.profiler trace: device-busy seconds, kernel count and "
+                        "the top kernels beside that call's wall time (wall far above busy: the host)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--cache-dir", default="default", help="persistent XLA cache ('none' = off)")
@@ -111,11 +116,37 @@ def timed_stream(model, prompts, news, spec) -> dict:
     wall = time.perf_counter() - start
     s = stream.stats
     return {"wall_s": wall, "tokens": s.tokens, "tokens_per_s": s.tokens / wall, "tau": s.tau,
-            "preemptions": s.preemptions, "ttft_p50_ms": percentile(list(first.values()), 50) * 1e3,
+            "preemptions": s.preemptions, "prefill_calls": s.prefill_steps,
+            "ttft_p50_ms": percentile(list(first.values()), 50) * 1e3,
             "ttft_p99_ms": percentile(list(first.values()), 99) * 1e3,
             "token_latency_p50_ms": percentile(gaps, 50) and percentile(gaps, 50) * 1e3,
             "token_latency_p99_ms": percentile(gaps, 99) and percentile(gaps, 99) * 1e3,
             "pool_peak": max(engine_pages, default=None)}
+
+
+def profiled_stream(model, prompts, news, spec, top: int = 8) -> dict:
+    """timed_stream inside a jax.profiler trace: its wall time and TTFT beside the device-busy time
+    (sum of kernel durations; the profiler turns XLA's command buffers off, so busy is an upper
+    bound), the kernel count and the kernels that took longest, with the prefill calls counted."""
+    import collections
+    import tempfile
+
+    import jax
+
+    from benchmarks.profile_step import _kernel_events
+
+    with tempfile.TemporaryDirectory(prefix="jaxspec-throughput-") as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            run = timed_stream(model, prompts, news, spec)
+        events = _kernel_events(trace_dir)
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for name, _, dur in events:
+        by_name[name][0] += dur
+        by_name[name][1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_s": run["wall_s"], "ttft_p99_ms": run["ttft_p99_ms"], "prefill_calls": run["prefill_calls"],
+            "device_busy_s": sum(d for _, _, d in events) / 1e9, "kernels": len(events),
+            "top": [{"name": n[:160], "ms": t / 1e6, "calls": c} for n, (t, c) in ranked]}
 
 
 def configs(args) -> list[tuple[str, int]]:
@@ -146,6 +177,10 @@ def run_batch(model, batch: int, args, res, budget) -> None:
             timed_stream(model, prompts, news, spec)  # warm: every bucket the run passes through
             runs = [timed_stream(model, prompts, news, spec) for _ in range(args.repeats)]
             item = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+            if args.profile:
+                item["profile"] = prof = profiled_stream(model, prompts, news, spec)
+                log(f"  {what} profiled: wall {prof['wall_s']:.3f} s, device busy {prof['device_busy_s']:.3f} s, "
+                    f"{prof['kernels']} kernels, {prof['prefill_calls']} prefill calls, top {prof['top'][:2]}")
             res.add({"batch": batch, "requests": len(prompts), "method": method, "k": k, **item})
             log(f"  {what}: {item['tokens_per_s']:.1f} tok/s, ttft p50 {fmt(item['ttft_p50_ms'], 1)} ms, "
                 f"pool peak {fmt(item['pool_peak'])}, {item['preemptions']} preemptions")

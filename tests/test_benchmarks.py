@@ -294,3 +294,16 @@ def test_throughput_sustained_load_workload():
     assert throughput.workload(2, one, vocab=256)[0] != prompts[:2]
     with pytest.raises(SystemExit, match="requests-per-slot"):
         throughput.parse(["--smoke", "--requests-per-slot", "0"])
+
+
+def test_throughput_profiled_call_reports_busy_time_and_kernels():
+    """--profile: one call inside a profiler trace gives its wall time beside the device-busy time
+    (on CPU the XLA runtime threads' events stand in for kernels), the prefill calls and top kernels."""
+    import jaxspec
+    from benchmarks import throughput
+
+    model = jaxspec.load("demo:qwen3", max_num_seqs=2, max_model_len=64, prefill_chunk=8)
+    prof = throughput.profiled_stream(model, [[1, 2, 3, 4, 5], list(range(3, 15))], [4, 6], None, top=3)
+    assert prof["prefill_calls"] >= 2 and prof["kernels"] > 0 and len(prof["top"]) == 3
+    assert 0 < prof["device_busy_s"] and prof["wall_s"] > 0
+    assert prof["top"][0]["ms"] >= prof["top"][-1]["ms"] and all(t["calls"] >= 1 for t in prof["top"])
