@@ -226,18 +226,30 @@ def test_cli_speculative_mtp(capsys):
 
 def test_bfloat16_demo_speculative_equals_plain_and_agrees_with_float32():
     """jaxspec.load("demo") is bfloat16 by default. Greedy MTP speculation equals plain greedy in
-    bfloat16 on these prompts (measured: also with ngram k = 3 and the demo draft at k = 2, 8 prompts
-    x 24 tokens; docs/user_guide.md: where two logits nearly tie, bfloat16 verify and decode may
-    part, which these prompts' margins do not reach), and bfloat16 picks float32's greedy token at
-    >= 95% of the teacher-forced continuation positions (measured 79 / 80; 254 / 257 counting the
-    prompt positions of 8 prompts x 24 tokens)."""
+    bfloat16 except where two logits tie at bfloat16 resolution: the verify and the decode step
+    compute the same logits along different paths, and a tie may go either way (docs/user_guide.md).
+    So each prompt's tokens must be equal up to the first position where they part, and there the
+    two tokens' logits must be equal within two bfloat16 steps (measured with the pair of 2026-12-02:
+    3 of 4 prompts equal throughout; the third parts at its 15th token, where both candidates score
+    8.875; the previous pair's 4 prompts and 8 x 24 tokens with ngram and the draft never parted).
+    And bfloat16 picks float32's greedy token at >= 95% of the teacher-forced continuation positions
+    (measured 79 / 80; 254 / 257 counting the prompt positions of 8 prompts x 24 tokens)."""
     settings = {k: v for k, v in SETTINGS.items() if k != "dtype"}
     model = jaxspec.load("demo", **settings)
     assert model.dtype == jnp.bfloat16
     model = dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), _engines={})
     plain_bf16 = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
     result = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, speculative=mtp(2))
-    assert result.token_ids == plain_bf16.token_ids
+    parted = 0
+    for prompt, mine, theirs in zip(PROMPTS, result.token_ids, plain_bf16.token_ids, strict=True):
+        if mine == theirs:
+            continue
+        parted += 1
+        at = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+        logits = jaxspec.score(model, model.tokenizer.encode(prompt) + list(theirs[:at]))[-1]
+        step = 2.0 ** (np.floor(np.log2(np.abs(logits[theirs[at]]))) - 7)  # one bfloat16 step at that magnitude
+        assert abs(float(logits[mine[at]] - logits[theirs[at]])) <= 2 * step, (prompt, at, mine[at], theirs[at])
+    assert parted <= 1, f"{parted} of {len(PROMPTS)} prompts parted from plain decoding at a bfloat16 tie"
     assert result.stats.accepted > 0
     agree = total = 0
     for prompt, continuation in zip(PROMPTS, plain(), strict=True):  # float32 greedy: its own top-1
