@@ -88,6 +88,15 @@ def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
     return [(e.name, e.start_ns, e.duration_ns) for line in lines for e in line.events]
 
 
+def top_kernels(events: list[tuple[str, int, int]], top: int) -> list[tuple[str, int, int]]:
+    """(name, total_ns, calls) of the `top` kernels by summed duration over _kernel_events."""
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for name, _, dur in events:
+        by_name[name][0] += dur
+        by_name[name][1] += 1
+    return [(n, t, c) for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
     """Timings per round: a call that runs `steps` rounds is divided by steps."""
     timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=8)
@@ -98,20 +107,15 @@ def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
             out = call()
         common.block(out)
     events = _kernel_events(trace_dir)
-    by_name = collections.defaultdict(lambda: [0, 0])
-    for kname, _, dur in events:
-        by_name[kname][0] += dur
-        by_name[kname][1] += 1
     per = args.traced * steps
     busy_ms = sum(d for _, _, d in events) / 1e6 / per
     span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / per
                if events else None)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]
     return {"step": name, "rounds_per_call": steps, "pipelined_ms": timing["pipelined"]["median_ms"] / steps,
             "latency_ms": timing["latency"]["median_ms"] / steps,
             "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / per,
             "top": [{"name": n[:160], "ms_per_step": t / 1e6 / per, "calls_per_step": c / per}
-                    for n, (t, c) in top]}
+                    for n, t, c in top_kernels(events, args.top)]}
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ctypes  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
 
@@ -144,8 +145,9 @@ class _MallInfo2(ctypes.Structure):
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+@functools.cache
 def mallinfo2():
-    """glibc's mallinfo2 (glibc >= 2.33), or None (another C library)."""
+    """glibc's mallinfo2 (glibc >= 2.33), or None (another C library); looked up once."""
     try:
         fn = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):

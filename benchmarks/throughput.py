@@ -128,25 +128,19 @@ def profiled_stream(model, prompts, news, spec, top: int = 8) -> dict:
     """timed_stream inside a jax.profiler trace: its wall time and TTFT beside the device-busy time
     (sum of kernel durations; the profiler turns XLA's command buffers off, so busy is an upper
     bound), the kernel count and the kernels that took longest, with the prefill calls counted."""
-    import collections
     import tempfile
 
     import jax
 
-    from benchmarks.profile_step import _kernel_events
+    from benchmarks.profile_step import _kernel_events, top_kernels
 
     with tempfile.TemporaryDirectory(prefix="jaxspec-throughput-") as trace_dir:
         with jax.profiler.trace(trace_dir):
             run = timed_stream(model, prompts, news, spec)
         events = _kernel_events(trace_dir)
-    by_name = collections.defaultdict(lambda: [0, 0])
-    for name, _, dur in events:
-        by_name[name][0] += dur
-        by_name[name][1] += 1
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"wall_s": run["wall_s"], "ttft_p99_ms": run["ttft_p99_ms"], "prefill_calls": run["prefill_calls"],
             "device_busy_s": sum(d for _, _, d in events) / 1e9, "kernels": len(events),
-            "top": [{"name": n[:160], "ms": t / 1e6, "calls": c} for n, (t, c) in ranked]}
+            "top": [{"name": n[:160], "ms": t / 1e6, "calls": c} for n, t, c in top_kernels(events, top)]}
 
 
 def configs(args) -> list[tuple[str, int]]:
