@@ -5,8 +5,12 @@ compiled ahead in a thread pool into the persistent cache, then every configurat
 once); median of --repeats.
 
 Drafters: replay (the target's own greedy continuation, each token corrupted with probability
-1 - alpha: a controlled acceptance rate), ngram (prompt lookup) and draft_model (a --draft-layers
-model of the same shape family; random weights, so its acceptance is near zero: reported anyway).
+1 - alpha: a controlled acceptance rate), ngram (prompt lookup), draft_model (a --draft-layers
+model of the same shape family), and the tap drafters eagle3 (one draft layer of the target's layer
+shape over three taps, a draft vocabulary of min(32000, V)) and dflash (--dflash-layers layers of the
+target's layer shape, block 16) at k = --head-k, written in their published checkpoint layouts and
+loaded back. Drafters other than replay have random weights, so their acceptance is near zero
+(reported anyway): they are here for their cost, c below.
 Per configuration: tau (bonus included) against E[tau] = (1 - a^(k+1)) / (1 - a) for replay, the
 decode speedup over plain, and two models: model_speedup = tau * t_decode / t_round = tau / (1 +
 c_round) with c_round = t_round / t_decode - 1 (jaxspec.measure's c: everything a round costs beyond
@@ -27,14 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functools  # noqa: E402
 import gc  # noqa: E402
 import math  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
 SMOKE = dict(shapes="demo-qwen3.5", batch=1, prompt_len=20, new_tokens=12, alphas="0.8", ks="1", ngram_k=1,
-             draft_k=1, draft_layers=2, repeats=1, compile_threads=2)
-METHODS = ("replay", "ngram", "draft_model")
+             draft_k=1, draft_layers=2, repeats=1, compile_threads=2, methods="replay,ngram,draft_model,eagle3,dflash",
+             head_k=1, dflash_layers=1)
+METHODS = ("replay", "ngram", "draft_model", "eagle3", "dflash")
+DEFAULT_METHODS = ("replay", "ngram", "draft_model")
+TAP_METHODS = ("eagle3", "dflash")
 
 
 def parse(argv=None):
@@ -42,12 +50,14 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=1, help="prompts per generate call (Spec-Bench: 1)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (no EOS: exact)")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--alphas", default="0.6,0.8,0.9", help="replay acceptance rates")
     p.add_argument("--ks", default="3,7", help="replay draft lengths")
     p.add_argument("--ngram-k", type=int, default=3)
     p.add_argument("--draft-k", type=int, default=3)
     p.add_argument("--draft-layers", type=int, default=4, help="decoder layers of the draft model")
+    p.add_argument("--head-k", type=int, default=3, help="draft length of eagle3 and dflash (c needs replay at it)")
+    p.add_argument("--dflash-layers", type=int, default=5, help="layers of the random DFlash drafter")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--compile-threads", type=int, default=common.default_threads())
@@ -62,7 +72,7 @@ def parse(argv=None):
     common.check_choices("--methods", args.methods, METHODS, "method")
     if args.prompt_len + args.new_tokens + 16 > args.engine["max_model_len"]:
         raise SystemExit(f"--prompt-len + --new-tokens must stay under max_model_len={args.engine['max_model_len']}")
-    kmax = max(common.int_list(args.ks) + [args.ngram_k, args.draft_k])
+    kmax = max(common.int_list(args.ks) + [args.ngram_k, args.draft_k, args.head_k])
     if kmax > args.engine["max_num_speculative_tokens"] or not 1 <= args.batch <= args.engine["max_num_seqs"]:
         raise SystemExit(f"k <= {args.engine['max_num_speculative_tokens']} and 1 <= --batch <= "
                          f"{args.engine['max_num_seqs']} (the engine settings shared with step_times)")
@@ -79,6 +89,37 @@ def _configs(args) -> list[dict]:
         out.append({"method": "ngram", "k": args.ngram_k})
     if "draft_model" in methods:
         out.append({"method": "draft_model", "k": args.draft_k})
+    out += [{"method": m, "k": args.head_k} for m in TAP_METHODS if m in methods]
+    return out
+
+
+def random_tap_heads(model, methods, dflash_layers: int, directory, seed: int = 2) -> dict:
+    """{method: path} of random EAGLE-3 / DFlash drafters for the target `model`, written in their
+    published checkpoint layouts (bf16) under `directory`: draft layers of the target's own layer
+    shape (heads, KV heads, head dim, MLP width), the taps of tools/train_heads.py, EAGLE-3's draft
+    vocabulary the first min(32000, V) ids, DFlash's mask token the last id."""
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, str(common.REPO / "tools"))  # the heads' initialisers of tools/train_heads.py
+    import train_heads
+    from jaxspec.speculative import dflash, eagle3
+
+    cfg = model.config
+    size = dict(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                inter=cfg.intermediate_size, draft_vocab=min(32000, cfg.vocab_size), layers=dflash_layers)
+    params = {k: model.params[k].astype("float32") for k in ("norm", "embed", "lm_head") if k in model.params}
+    key = jax.random.PRNGKey(seed)
+    out = {}
+    if "eagle3" in methods:
+        ecfg = train_heads.eagle3_config(cfg, size)
+        kept = np.arange(size["draft_vocab"], dtype=np.int32)
+        head = train_heads.eagle3_head(train_heads.init_eagle3(key, ecfg, params, cfg, kept), kept)
+        out["eagle3"] = eagle3.save(head, ecfg, Path(directory) / "eagle3", dtype="bfloat16")
+    if "dflash" in methods:
+        dcfg = train_heads.dflash_config(cfg, size, mask_token_id=cfg.vocab_size - 1)
+        out["dflash"] = dflash.save(train_heads.init_dflash(key, dcfg, params, cfg), dcfg, Path(directory) / "dflash",
+                                    dtype="bfloat16")
     return out
 
 
@@ -94,6 +135,8 @@ def precompile(model, draft, configs, batch: int, threads: int) -> dict:
              Bucket("decode", R, 1 + model.decode_pad, K, sampling="greedy", steps=S)]
     for c in configs:
         m, k = c["method"], c["k"]
+        if m in TAP_METHODS:  # their executables compile in the warm-up call
+            continue
         table.append(Bucket(f"verify[{m}]", R, 1 + k, K, k, m, "greedy", S))
         if m == "draft_model":
             table += [Bucket("draft_allocate", 0, 0, k, k, m), Bucket("draft_prefill", 1, draft.prefill_chunk, k, k, m)]
@@ -165,6 +208,11 @@ def run_shape(name: str, layers, args, res, budget) -> None:
                                    kernels=args.kernels, seed=1, engine=args.engine)
         rec["draft_layers"] = args.draft_layers
         rec["draft_note"] = "random weights: target and draft disagree, acceptance near zero by construction"
+    heads_dir = None
+    if any(c["method"] in TAP_METHODS for c in configs):
+        heads_dir = tempfile.TemporaryDirectory(prefix="jaxspec-e2e-heads-")
+        tap_heads = random_tap_heads(model, args.methods.split(","), args.dflash_layers, heads_dir.name)
+        rec["tap_heads"] = {"dflash_layers": args.dflash_layers, "note": "random weights, the target's layer shape"}
     rec["init_s"] = round(time.perf_counter() - t0, 2)
     log(f"{name}: built target ({rec['layers']} layers){' and draft' if draft else ''} in {rec['init_s']}s")
     if args.cache_dir != "none":
@@ -190,7 +238,8 @@ def run_shape(name: str, layers, args, res, budget) -> None:
             continue
         try:
             spec = SpeculativeConfig(method=c["method"], num_speculative_tokens=c["k"],
-                                     draft_model=draft if c["method"] == "draft_model" else None,
+                                     draft_model=tap_heads[c["method"]] if c["method"] in TAP_METHODS
+                                     else draft if c["method"] == "draft_model" else None,
                                      replay_tokens=replay_ref if c["method"] == "replay" else None,
                                      replay_alpha=c.get("alpha", 1.0))
             run = _run(model, prompts, n, spec, reps)
@@ -215,6 +264,8 @@ def run_shape(name: str, layers, args, res, budget) -> None:
         rec["plain_after"] = _summarise(after, rec["prefill_s"], args.batch)
     _derive(rec)
     res.save()
+    if heads_dir is not None:
+        heads_dir.cleanup()
     del model, draft
     gc.collect()
 

@@ -10,7 +10,9 @@ every wave: every slot and page of every engine is free; no compilation happened
 table is precompiled, then every executable of it run once); the host memory the process holds
 (RSS less what malloc keeps free) and device memory in use stay within a margin of their
 post-warm-up values; and (float32) one greedy request of the wave, run alone, gives the same
-tokens. Uses the trained demo pair. Prints a table and writes JSON, with every wave's memory.
+tokens. Uses the trained demo pair. Prints a table and writes JSON, with every wave's memory; the
+JSON holds the record so far every --progress-every seconds, and SIGTERM / SIGINT end the waves
+early with the record written whole (marked stopped_by_signal).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import ctypes  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import resource  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from benchmarks import common  # noqa: E402
@@ -49,6 +53,8 @@ def parse(argv=None):
     p.add_argument("--minutes", type=float, default=10.0, help="how long to run waves after warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--progress-every", type=float, default=30.0,
+                   help="seconds between rewrites of the JSON with the record so far (its 'progress' entry)")
     return common.parse_args(p, argv, SMOKE, check=False)
 
 
@@ -250,8 +256,11 @@ def log_first_failures(failures: list[dict]) -> None:
         log(f"  first {', '.join(new)} failure: {failures[-1]}")
 
 
-def soak(seconds: float, seed: int = 0, kernels: str = "auto", log_every: int = 20) -> dict:
-    """Run waves for `seconds` after warm-up; returns the record (waves, failures, memory by wave)."""
+def soak(seconds: float, seed: int = 0, kernels: str = "auto", log_every: int = 20, progress=None,
+         progress_every_s: float = 30.0) -> dict:
+    """Run waves for `seconds` after warm-up; returns the record (waves, failures, memory by wave).
+    progress(rec), if given, is called with the record so far every progress_every_s seconds and when
+    the waves stop early (SIGTERM or SIGINT end the waves, not the record)."""
     import numpy as np
 
     target, draft = models(kernels)
@@ -262,8 +271,9 @@ def soak(seconds: float, seed: int = 0, kernels: str = "auto", log_every: int = 
         run_wave(rng, target, draft)
     base = memory_now()
     rec = {"warm_up_s": time.perf_counter() - t0, "waves": [], "failures": [], "memory": []}
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    start = last = time.perf_counter()
+    stop = StopFlag()
+    while time.perf_counter() - start < seconds and not stop.set:
         w = run_wave(rng, target, draft)
         w.update(memory_growth(base))
         problems = problems_of(w)
@@ -275,23 +285,61 @@ def soak(seconds: float, seed: int = 0, kernels: str = "auto", log_every: int = 
         if log_every and len(rec["waves"]) % log_every == 0:
             log(f"  {len(rec['waves'])} waves, {sum(x['requests'] for x in rec['waves'])} requests, "
                 f"{len(rec['failures'])} failures")
-    rec["seconds"] = time.perf_counter() - start
-    rec["requests"] = sum(w["requests"] for w in rec["waves"])
-    rec["preemptions"] = sum(w["preemptions"] or 0 for w in rec["waves"])
-    rec["alone_checked"] = sum("alone_equal" in w for w in rec["waves"])
-    rec["host_growth_max_mb"] = max((m["host_mb"] for m in rec["memory"]), default=0.0)
-    rec["rss_growth_max_mb"] = max((m["rss_mb"] for m in rec["memory"]), default=0.0)
+        if progress and time.perf_counter() - last >= progress_every_s:
+            last = time.perf_counter()
+            progress(summarise(rec, start))
+    stop.restore()
+    rec = summarise(rec, start)
+    if stop.set:
+        log(f"  stopped by signal {stop.set} after {rec['seconds']:.0f} s of waves")
+        rec["stopped_by_signal"] = stop.set
     return rec
+
+
+def summarise(rec: dict, start: float) -> dict:
+    """The record with its totals filled in (the waves so far)."""
+    return rec | {"seconds": time.perf_counter() - start, "requests": sum(w["requests"] for w in rec["waves"]),
+                  "preemptions": sum(w["preemptions"] or 0 for w in rec["waves"]),
+                  "alone_checked": sum("alone_equal" in w for w in rec["waves"]),
+                  "host_growth_max_mb": max((m["host_mb"] for m in rec["memory"]), default=0.0),
+                  "rss_growth_max_mb": max((m["rss_mb"] for m in rec["memory"]), default=0.0)}
+
+
+class StopFlag:
+    """SIGTERM / SIGINT end the waves after the current one (so `timeout` or a stopped job still
+    leaves a complete record); .set holds the signal's number once one came."""
+
+    def __init__(self):
+        self.set = 0
+        main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+        self.old = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+
+    def _handler(self, signum, frame) -> None:
+        self.set = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     res = common.Results("soak", args)
-    rec = soak(args.minutes * 60, args.seed, args.kernels)
-    res.add({k: v for k, v in rec.items() if k != "waves"} | {"wave_count": len(rec["waves"])})
+
+    def progress(rec: dict) -> None:  # the record so far, so a run cut short still leaves its numbers
+        res.data["progress"] = record_of(rec)
+        res.save()
+
+    rec = soak(args.minutes * 60, args.seed, args.kernels, progress=progress, progress_every_s=args.progress_every)
+    res.data.pop("progress", None)
+    res.add(record_of(rec))
     res.finish()
     print_tables(res)
     return 1 if rec["failures"] else 0
+
+
+def record_of(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "waves"} | {"wave_count": len(rec["waves"])}
 
 
 def print_tables(res) -> None:

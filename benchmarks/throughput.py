@@ -46,7 +46,7 @@ def parse(argv=None):
     p.add_argument("--alpha", type=float, default=0.8, help="replay acceptance rate")
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size (default: from the memory budget)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens per prefill call (default: benchmarks/common.ENGINE's)")
+                   help="prompt tokens per prefill call row (default: the engine's 'auto', 512 on GPUs)")
     p.add_argument("--prefill-rows", type=lambda t: t if t == "auto" else int(t), default="auto",
                    help="requests whose prompt chunks share a prefill call ('auto': the engine's default)")
     p.add_argument("--profile", action="store_true",
@@ -70,9 +70,12 @@ def parse(argv=None):
         raise SystemExit(f"--prefill-chunk takes a positive token count, got {args.prefill_chunk}")
     if args.prefill_rows != "auto" and not 1 <= args.prefill_rows <= max(batches):
         raise SystemExit(f"--prefill-rows takes 1..{max(batches)} (the largest batch), got {args.prefill_rows}")
-    args.engine = dict(base, max_num_seqs=max(batches), max_model_len=max(base["max_model_len"], need),
-                       max_num_speculative_tokens=max(ks), num_kv_pages=args.num_kv_pages,
-                       prefill_chunk=args.prefill_chunk or base["prefill_chunk"], prefill_rows=args.prefill_rows)
+    from jaxspec.loader import auto_prefill_chunk
+
+    max_len = max(base["max_model_len"], need)
+    chunk = args.prefill_chunk or (base["prefill_chunk"] if args.smoke else auto_prefill_chunk(max_len))
+    args.engine = dict(base, max_num_seqs=max(batches), max_model_len=max_len, max_num_speculative_tokens=max(ks),
+                       num_kv_pages=args.num_kv_pages, prefill_chunk=chunk, prefill_rows=args.prefill_rows)
     args.batch_list, args.k_list, (args.prompt_range, args.new_range) = batches, ks, lo_hi
     return args
 

@@ -42,7 +42,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive("max-model-len"), default=None,
                    help="longest prompt + generation, in tokens")
     p.add_argument("--max-num-seqs", type=_positive("max-num-seqs"), default=8, help="requests decoded together")
-    p.add_argument("--prefill-chunk", type=_positive("prefill-chunk"), default=64, help="prefill chunk (tokens)")
+    p.add_argument("--prefill-chunk", type=_auto_or_positive("prefill-chunk"), default="auto",
+                   help="prompt tokens per prefill call row ('auto': 512 on GPUs, 64 elsewhere)")
     p.add_argument("--prefill-rows", type=_auto_or_positive("prefill-rows"), default="auto",
                    help="requests admitted together whose prompt chunks share one prefill call "
                         "('auto': min(8, max-num-seqs))")

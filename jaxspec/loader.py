@@ -189,11 +189,20 @@ K_MODES = ("per_k", "pad_to_max")
 # Requests per prefill call by default: on the H200 a [8, 64]-token Qwen3-4B prefill call ran 12.7 ms
 # against 5.2 ms for [1, 64] (docs/benchmarks.md, "Serving many requests").
 AUTO_PREFILL_ROWS = 8
+# Prompt tokens per prefill call row by default: 512 on GPUs, where a [1, 512] Qwen3-4B chunk ran
+# 12.2 ms against 5.2 ms for [1, 64] and batch-64 serving went from 5129 to 5473 tok/s
+# (docs/benchmarks.md, "Serving many requests"); 64 elsewhere (CPU: small executables, fast tests).
+GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 512, 64
+
+
+def auto_prefill_chunk(max_model_len: int) -> int:
+    """prefill_chunk="auto": GPU_PREFILL_CHUNK on GPUs (never more than max_model_len), else CPU_PREFILL_CHUNK."""
+    return min(GPU_PREFILL_CHUNK, max_model_len) if jax.default_backend() == "gpu" else CPU_PREFILL_CHUNK
 
 
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
-         max_num_seqs: int = 8, prefill_chunk: int = 64, page_size: int = 16, max_num_speculative_tokens: int = 0,
-         k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
+         max_num_seqs: int = 8, prefill_chunk: int | str = "auto", page_size: int = 16,
+         max_num_speculative_tokens: int = 0, k_mode: str = "per_k", cache_dir: str | Path | None = "default", memory_budget: int | None = None,
          rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto",
          num_kv_pages: int | None = None, tensor_parallel_size: int = 1, prefill_rows: int | str = "auto") -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
@@ -221,6 +230,8 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     limit, where it reports one); an engine that would exceed it is refused before its caches are
     allocated, with cache.MemoryBudgetError naming the largest component. The plain-decoding engine
     is checked here.
+    prefill_chunk: prompt tokens per prefill call row (one executable shape); "auto" = 512 on GPUs
+    (at most max_model_len), 64 elsewhere.
     prefill_rows: requests admitted together prefill their prompts in one call of prefill_rows x
     prefill_chunk tokens (rows of requests with nothing left padded), so a wave of short prompts pays
     the weight read once per call instead of once per request; 1 = one request per call; "auto" =
@@ -272,6 +283,10 @@ def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto"
     else:
         cfg, params, tokenizer, jdtype, hf_config = _load_dir(path, dtype, tensor_parallel_size)
     max_model_len = _validate_sizes(max_model_len, max_num_seqs, cfg)
+    if prefill_chunk == "auto":
+        prefill_chunk = auto_prefill_chunk(max_model_len)
+    elif not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk={prefill_chunk!r} must be 'auto' or an integer >= 1")
     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                  prefill_chunk=prefill_chunk)  # validates the sizes
     model = Model(config=cfg, params=params, tokenizer=tokenizer, dtype=jdtype, kernels=kernels,

@@ -91,7 +91,8 @@ BAD_OPTIONS = {
     "kernels": (dict(kernels="cuda"), r"kernels='cuda' is not valid; choose one of \('auto', 'xla', 'pallas'\)"),
     "max_model_len": (dict(max_model_len=0), "max_model_len=0 must be a positive integer"),
     "max_num_seqs": (dict(max_num_seqs=0), "max_num_seqs=0 must be a positive integer"),
-    "prefill_chunk": (dict(prefill_chunk=0), "prefill_chunk=0 must be an integer >= 1"),
+    "prefill_chunk": (dict(prefill_chunk=0), "prefill_chunk=0 must be 'auto' or an integer >= 1"),
+    "prefill_chunk word": (dict(prefill_chunk="big"), "prefill_chunk='big' must be 'auto' or an integer >= 1"),
     "page_size": (dict(page_size=-1), "page_size=-1 must be an integer >= 1"),
 }
 
@@ -103,6 +104,15 @@ def test_bad_option_is_refused(case, source, hf_checkpoint):
     path = hf_checkpoint("qwen3") if source == "hf" else "demo:qwen3"
     with pytest.raises(ValueError, match=message):
         jaxspec.load(path, **{**HF_SETTINGS, **options})
+
+
+def test_prefill_chunk_auto_is_512_on_gpus_and_64_elsewhere(hf_checkpoint):
+    from jaxspec.loader import auto_prefill_chunk
+
+    settings = {k: v for k, v in HF_SETTINGS.items() if k != "prefill_chunk"}
+    model = jaxspec.load(hf_checkpoint("qwen3"), **settings)
+    gpu = jax.default_backend() == "gpu"
+    assert model.prefill_chunk == (min(512, settings["max_model_len"]) if gpu else 64) == auto_prefill_chunk(64)
 
 
 def test_missing_directory(tmp_path):

@@ -6,7 +6,7 @@ Layout (docs/architecture.md): a KV pool is `[N, page_size, nKV, D]`; page 0 is 
 null page. Token `t` of request row `r` sits at absolute position `p = start_pos[r] + t` and lives
 in page `block_tables[r, p // page_size]` at offset `p % page_size`. Tokens with
 `t >= num_valid[r]` (all tokens of a padding row, whose `num_valid` is 0) are inert: they write
-only the null page and produce zero attention output.
+nothing and produce zero attention output.
 """
 
 import jax
@@ -35,19 +35,29 @@ def write_kv(
     start_pos: jax.Array,  # [R] int32
     num_valid: jax.Array,  # [R] int32
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter the span's keys/values into their pages; invalid tokens go to null page 0, offset 0.
+    """Scatter the span's keys/values into their pages. Invalid tokens, and tokens whose block-table
+    entry is the null page 0, write nothing: each gets its own out-of-bounds page index, which the
+    scatter drops, so the indices it keeps are unique (one page per request and position).
+
+    Unique indices matter on GPUs: sending every invalid token to one place (the null page) made
+    thousands of updates of a padded prefill call collide on one address, and a scatter that may
+    see duplicates serialises them (docs/benchmarks.md, "prefill chunk 512").
 
     Returns the updated `(k_pages, v_pages)`, same shapes and dtypes as the inputs (a functional
     scatter: the engine donates the pools so XLA updates them in place).
     """
-    page_size = k_pages.shape[1]
-    pos, valid = span_positions(start_pos, num_valid, k.shape[1])
+    num_pages, page_size = k_pages.shape[:2]
+    rows, span = k.shape[:2]
+    pos, valid = span_positions(start_pos, num_valid, span)
     # Invalid tokens may sit past the block table's end: clip before the lookup, then redirect.
     slot = jnp.minimum(pos // page_size, block_tables.shape[1] - 1)
-    page = jnp.where(valid, jnp.take_along_axis(block_tables, slot, axis=1), 0)  # [R, T]
-    offset = jnp.where(valid, pos % page_size, 0)  # [R, T]
-    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype))
+    page = jnp.take_along_axis(block_tables, slot, axis=1)  # [R, T]
+    keep = valid & (page > 0)
+    dropped = num_pages + jnp.arange(rows * span, dtype=page.dtype).reshape(rows, span)  # distinct, out of bounds
+    page = jnp.where(keep, page, dropped)
+    offset = jnp.where(keep, pos % page_size, 0)  # [R, T]
+    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype), mode="drop", unique_indices=True)
+    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype), mode="drop", unique_indices=True)
     return k_pages, v_pages
 
 

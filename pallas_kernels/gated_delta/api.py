@@ -63,7 +63,7 @@ def _padded(kernel, q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_
     o, small = kernel(pad(q, dk, dkp), pad(k, dk, dkp), pad(v, dv, dvp), g, beta, small, small_read, small_write,
                       has_state, num_valid, **kw)
     written = small[1 + b:, :, :dk, :dv]  # [n_writes, HV, dk, dv], in write_idx order
-    return o[..., :dv], pool.at[write_idx.reshape(n_writes)].set(written)
+    return o[..., :dv], reference.set_rows(pool, write_idx.reshape(n_writes), written)
 
 
 def gdn_verify(

@@ -24,6 +24,16 @@ F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
 
 
+def set_rows(pool: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """pool[idx] = rows for idx [n] into pool [S, ...], except that rows aimed at the null slot / line
+    0 (padding rows) are dropped: each gets its own out-of-bounds index, so the indices the scatter
+    keeps are unique and it need not serialise colliding writes (see write_kv in
+    pallas_kernels/attention/reference.py)."""
+    n = idx.shape[0]
+    idx = jnp.where(idx > 0, idx, pool.shape[0] + jnp.arange(n, dtype=idx.dtype))
+    return pool.at[idx].set(rows, mode="drop", unique_indices=True)
+
+
 def _einsum(spec: str, *xs):
     """jnp.einsum at full float32 precision (no bf16/tf32 passes on accelerators)."""
     return jnp.einsum(spec, *xs, precision=_HI, preferred_element_type=F32)
@@ -262,7 +272,7 @@ def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_va
     else:
         raise ValueError(f"{mode=} must be 'verify' or 'prefill'")
     new = lax.dynamic_update_slice_in_dim(old, head.astype(lines.dtype), 0, axis=1)
-    return y, lines.at[write_row].set(new)
+    return y, set_rows(lines, write_row, new)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +314,7 @@ def gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid
     h0 = _read_state(pool, read_idx, has_state)
     o, h_all = recurrent_gated_delta(*_mask_inert(q, k, v, g, beta, num_valid), h0, return_all_states=True)
     h_all = h_all.reshape(B * T, *pool.shape[1:]).astype(pool.dtype)
-    return o, pool.at[write_idx.reshape(B * T)].set(h_all)
+    return o, set_rows(pool, write_idx.reshape(B * T), h_all)
 
 
 def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, chunk_size: int = 64):
@@ -315,7 +325,7 @@ def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_vali
     """
     h0 = _read_state(pool, read_idx, has_state)
     o, h_final = chunk_gated_delta(*_mask_inert(q, k, v, g, beta, num_valid), h0, chunk_size=chunk_size)
-    return o, pool.at[write_idx].set(h_final.astype(pool.dtype))
+    return o, set_rows(pool, write_idx, h_final.astype(pool.dtype))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_reference_matches_dense(k, group, page_size):
     assert not np.asarray(got[-1]).any(), "padding row must give zeros"
 
 
-def test_write_kv_places_tokens_and_padding_hits_only_null_page():
+def test_write_kv_places_tokens_and_padding_writes_nothing():
     span, page_size = 4, 4
     args, _ = make_case(
         1, span=span, n_heads=2, page_size=page_size, starts=[6, 3], valids=[4, 2], dtype=jnp.float32, **CASE
@@ -128,10 +128,22 @@ def test_write_kv_places_tokens_and_padding_hits_only_null_page():
             np.testing.assert_array_equal(k_new[page, off], k_span[r, t])
             np.testing.assert_array_equal(v_new[page, off], v_span[r, t])
             touched[page, off] = True
-    touched[0, 0] = True  # invalid tokens (and the padding row) may land here
-    for new, old in ((k_new, k_old), (v_new, v_old)):
+    assert not touched[0].any()
+    for new, old in ((k_new, k_old), (v_new, v_old)):  # invalid tokens and the padding row: not even the null page
         np.testing.assert_array_equal(new[~touched], old[~touched])
-        np.testing.assert_array_equal(new[0, 1:], old[0, 1:])
+
+
+def test_write_kv_drops_tokens_whose_table_entry_is_the_null_page():
+    """A valid token past the request's allocated pages (table entry 0) is dropped, and rows of the
+    null slot (table all 0) write nothing: the kept scatter indices stay unique."""
+    k_pages = jnp.arange(3 * 2 * 1 * 2, dtype=jnp.float32).reshape(3, 2, 1, 2)
+    tables = jnp.array([[1, 0], [0, 0], [0, 0]], jnp.int32)  # row 0 owns page 1 only; rows 1, 2: the null slot
+    k = -jnp.ones((3, 3, 1, 2), jnp.float32)
+    new, _ = reference.write_kv(k_pages, k_pages, k, k, tables, jnp.array([0, 0, 0], jnp.int32),
+                                jnp.array([3, 3, 3], jnp.int32))
+    want = np.asarray(k_pages).copy()
+    want[1] = -1  # positions 0 and 1 of row 0; its position 2 maps to the null page: dropped
+    np.testing.assert_array_equal(np.asarray(new), want)
 
 
 def pallas_vs_reference(
