@@ -203,8 +203,9 @@ def auto_prefill_chunk(max_model_len: int) -> int:
 def load(path_or_name: str | Path, *, dtype: str = "auto", kernels: str = "auto", max_model_len: int | None = None,
          max_num_seqs: int = 8, prefill_chunk: int | str = "auto", page_size: int = 16,
          max_num_speculative_tokens: int = 0, k_mode: str = "per_k", cache_dir: str | Path | None = "default",
-         memory_budget: int | None = None, rounds_per_dispatch: int = 1, dispatch_ahead: int = 1, decode_tokens: int | str = "auto",
-         num_kv_pages: int | None = None, tensor_parallel_size: int = 1, prefill_rows: int | str = "auto") -> Model:
+         memory_budget: int | None = None, rounds_per_dispatch: int = 1, dispatch_ahead: int = 1,
+         decode_tokens: int | str = "auto", num_kv_pages: int | None = None, tensor_parallel_size: int = 1,
+         prefill_rows: int | str = "auto") -> Model:
     """Load a model from an HF checkpoint dir, a `jaxspec.save` dir, or a demo name ("demo" and
     "demo-draft": the trained demo pair; "demo:<family>" / "demo:random-<family>": random weights).
 
