@@ -35,9 +35,12 @@ def write_kv(
     start_pos: jax.Array,  # [R] int32
     num_valid: jax.Array,  # [R] int32
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter the span's keys/values into their pages. Invalid tokens, and tokens whose block-table
-    entry is the null page 0, write nothing: each gets its own out-of-bounds page index, which the
-    scatter drops, so the indices it keeps are unique (one page per request and position).
+    """Scatter the span's keys/values into their pages. Invalid tokens write nothing: each gets its
+    own out-of-bounds page index, which the scatter drops, so the indices it keeps are unique (one
+    page per request and position). Valid tokens past a request's pages (block-table entry 0, the
+    last round of a request at its limit) still write the null page, where later tokens of the same
+    span read them back (the verdicts there count in the acceptance statistics, never in the output);
+    two such rows may hit one null-page slot, whose content is then either row's, as it always was.
 
     Unique indices matter on GPUs: sending every invalid token to one place (the null page) made
     thousands of updates of a padded prefill call collide on one address, and a scatter that may
@@ -52,10 +55,9 @@ def write_kv(
     # Invalid tokens may sit past the block table's end: clip before the lookup, then redirect.
     slot = jnp.minimum(pos // page_size, block_tables.shape[1] - 1)
     page = jnp.take_along_axis(block_tables, slot, axis=1)  # [R, T]
-    keep = valid & (page > 0)
     dropped = num_pages + jnp.arange(rows * span, dtype=page.dtype).reshape(rows, span)  # distinct, out of bounds
-    page = jnp.where(keep, page, dropped)
-    offset = jnp.where(keep, pos % page_size, 0)  # [R, T]
+    page = jnp.where(valid, page, dropped)
+    offset = jnp.where(valid, pos % page_size, 0)  # [R, T]
     k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype), mode="drop", unique_indices=True)
     v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype), mode="drop", unique_indices=True)
     return k_pages, v_pages

@@ -133,16 +133,17 @@ def test_write_kv_places_tokens_and_padding_writes_nothing():
         np.testing.assert_array_equal(new[~touched], old[~touched])
 
 
-def test_write_kv_drops_tokens_whose_table_entry_is_the_null_page():
-    """A valid token past the request's allocated pages (table entry 0) is dropped, and rows of the
-    null slot (table all 0) write nothing: the kept scatter indices stay unique."""
+def test_write_kv_writes_valid_tokens_past_the_pages_to_the_null_page():
+    """A valid token past the request's allocated pages (table entry 0) lands in the null page, where
+    later tokens of its span read it back; invalid tokens and rows of the null slot write nothing."""
     k_pages = jnp.arange(3 * 2 * 1 * 2, dtype=jnp.float32).reshape(3, 2, 1, 2)
-    tables = jnp.array([[1, 0], [0, 0], [0, 0]], jnp.int32)  # row 0 owns page 1 only; rows 1, 2: the null slot
-    k = -jnp.ones((3, 3, 1, 2), jnp.float32)
-    new, _ = reference.write_kv(k_pages, k_pages, k, k, tables, jnp.array([0, 0, 0], jnp.int32),
-                                jnp.array([3, 3, 3], jnp.int32))
+    tables = jnp.array([[1, 0], [0, 0]], jnp.int32)  # row 0 owns page 1 only; row 1: the null slot
+    k = -jnp.ones((2, 3, 1, 2), jnp.float32)
+    new, _ = reference.write_kv(k_pages, k_pages, k, k, tables, jnp.array([0, 0], jnp.int32),
+                                jnp.array([3, 0], jnp.int32))
     want = np.asarray(k_pages).copy()
-    want[1] = -1  # positions 0 and 1 of row 0; its position 2 maps to the null page: dropped
+    want[1] = -1  # positions 0 and 1 of row 0
+    want[0, 0] = -1  # its position 2 maps to the null page, offset 0
     np.testing.assert_array_equal(np.asarray(new), want)
 
 
