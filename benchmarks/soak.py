@@ -259,8 +259,8 @@ def log_first_failures(failures: list[dict]) -> None:
 def soak(seconds: float, seed: int = 0, kernels: str = "auto", log_every: int = 20, progress=None,
          progress_every_s: float = 30.0) -> dict:
     """Run waves for `seconds` after warm-up; returns the record (waves, failures, memory by wave).
-    progress(rec), if given, is called with the record so far every progress_every_s seconds and when
-    the waves stop early (SIGTERM or SIGINT end the waves, not the record)."""
+    progress(rec), if given, is called with the record so far every progress_every_s seconds.
+    SIGTERM or SIGINT end the waves early; the record is still returned whole (stopped_by_signal)."""
     import numpy as np
 
     target, draft = models(kernels)
