@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,14 @@ def test_missing_model_and_unwritable_cache_dir(tmp_path):
     out = cli("precompile", *MODEL, "--cache-dir", str(blocker / "cache"))
     assert out.returncode != 0 and ("not writable" in out.stderr or "not a directory" in out.stderr), out.stderr
     assert blocker.read_text() == ""
+
+
+@pytest.mark.parametrize("family, bodies", [("qwen3", 1), ("qwen3_5", 2)])
+def test_layers_are_traced_once_per_layer_shape(family, bodies):
+    """Every decoder layer calls one lowered body per distinct layer shape (one for Qwen3; GDN and
+    attention for the hybrids) instead of inlining its own copy: what keeps a warm start's tracing and
+    lowering independent of depth (docs/benchmarks.md, "Compile and start-up")."""
+    model = jaxspec.load(f"demo:{family}", cache_dir=None)
+    text = jc.lower_prefill(model, model.engine_config(0), 16).as_text()
+    assert len(set(re.findall(r"func\.func private @(_layer\w*)", text))) == bodies
+    assert len(re.findall(r"call @_layer", text)) == model.config.num_hidden_layers

@@ -2,11 +2,13 @@
 final norm -> logits. Which mixer and MLP a layer uses comes from the config (layer_types,
 mlp_kinds), so Qwen3, Qwen3-MoE, Qwen3.5 (dense / MoE) and Qwen3-Next share this one function.
 
-Models never jit: the engine jits `forward` at the edge and donates the caches.
+The engine jits `forward` at the edge and donates the caches; inside, each decoder layer is a nested
+jit (`_layer`), traced and lowered once per distinct layer shape.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -40,20 +42,38 @@ def logits_from_hidden(params, cfg: ModelConfig, x):
 
 def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: dict, *,
                   mode: str, kernels: str, live_columns: int | None = None):
-    """One pre-norm decoder layer; returns (x, caches) with this layer's cache entry updated."""
-    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
-    h = layers.rms_norm(x, layer["input_norm"], eps, zc)
+    """One pre-norm decoder layer; returns (x, caches) with this layer's cache entry updated.
+
+    The layer runs as a nested jit (`_layer`) of its own params, input and cache entry, so its body
+    is traced and lowered once per distinct layer shape instead of once per layer: a 36-layer model
+    lowers its Pallas kernels once, not 36 times, which is most of a warm start's tracing and
+    lowering (docs/benchmarks.md, "Compile and start-up"). XLA inlines the calls: the optimised HLO
+    has none left."""
+    run = functools.partial(_layer, cfg=cfg, mode=mode, kernels=kernels, live_columns=live_columns)
     if cfg.layer_types[i] == FULL:
         j = cfg.attention_layers.index(i)
-        h, caches["kv"][j] = layers.attention(layer["attn"], cfg, h, batch, caches["kv"][j], kernels)
+        x, (caches["kv"][j],) = run(layer, x, batch, (caches["kv"][j],), mixer=FULL)
     else:
         j = cfg.gdn_layers.index(i)
-        h, caches["ssm"][j], caches["conv"][j] = layers.gated_delta_net(
-            layer["gdn"], cfg, h, batch, caches["ssm"][j], caches["conv"][j],
-            mode=mode, kernels=kernels)
+        x, (caches["ssm"][j], caches["conv"][j]) = run(layer, x, batch, (caches["ssm"][j], caches["conv"][j]),
+                                                       mixer=cfg.layer_types[i])
+    return x, caches
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mixer", "mode", "kernels", "live_columns"))
+def _layer(layer, x, batch: StepBatch, cache: tuple, *, cfg: ModelConfig, mixer: str, mode: str, kernels: str,
+           live_columns: int | None):
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+    h = layers.rms_norm(x, layer["input_norm"], eps, zc)
+    if mixer == FULL:
+        h, kv = layers.attention(layer["attn"], cfg, h, batch, cache[0], kernels)
+        cache = (kv,)
+    else:
+        h, ssm, conv = layers.gated_delta_net(layer["gdn"], cfg, h, batch, *cache, mode=mode, kernels=kernels)
+        cache = (ssm, conv)
     x = x + h
     h = layers.rms_norm(x, layer["post_norm"], eps, zc)
-    return x + layers.feed_forward(layer, cfg, h, live_columns), caches
+    return x + layers.feed_forward(layer, cfg, h, live_columns), cache
 
 
 @layers.weight_precision
