@@ -3,7 +3,7 @@ dtype (docs/architecture.md, "Parameters"), so loading it is a plain read: no tr
 reorders, no casts unless a different dtype is asked for.
 
 `params.safetensors` holds one tensor per params leaf, named by its tree path ("embed",
-"layers.3.attn.q", "mtp.layers.0.mlp.down"). Loading reads it through the same slicing reader as a
+"layers.3.attn.q", "mtp.layers.0.mlp.down"). Loading reads it through the same memory-mapped reader as a
 Hugging Face checkpoint (weights.materialize): several tensors at once, each device reading only
 its own shard, so a saved model restores into the shards of any mesh.
 

@@ -19,6 +19,7 @@ from jaxspec.tokenizer import ByteTokenizer, HFTokenizer, eos_token_ids, load_to
 from jaxspec.weights import (
     CheckpointError,
     hf_to_params,
+    open_checkpoint,
     params_to_hf,
     read_checkpoint_tensors,
     write_safetensors,
@@ -455,3 +456,18 @@ def test_fixture_logits_are_not_degenerate(hf_models, kind):
     with torch.no_grad():
         logits = hf_models(kind)(input_ids=ids).logits[0]
     assert logits.std(-1).min() > 0.3 and len(set(logits.argmax(-1).tolist())) > 3
+
+
+def test_checkpoint_tensors_are_memory_mapped_views(tmp_path):
+    """open_checkpoint reads nothing up front: every tensor is a view of the file's memory map, read
+    only when touched (docs/benchmarks.md, "Compile and start-up"), with the stored dtype and shape;
+    a file whose tensors hold no bytes opens too."""
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5).astype(ml_dtypes.bfloat16),
+               "i": np.arange(6, dtype=np.int32).reshape(2, 3)}
+    opened = open_checkpoint(write_safetensors(tensors, tmp_path / "t.safetensors"))
+    for name, want in tensors.items():
+        got = opened[name]
+        assert isinstance(got.base, np.memmap) or isinstance(got, np.memmap), name
+        assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), name
+    empty = open_checkpoint(write_safetensors({"e": np.zeros((0, 4), np.float32)}, tmp_path / "e.safetensors"))
+    assert empty["e"].shape == (0, 4) and empty["e"].dtype == np.float32
