@@ -71,11 +71,22 @@ def _open_file(path: Path) -> dict[str, np.ndarray]:
         names = list(safe_open(str(path), framework="numpy").keys())
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+    start, header = read_header(path)
+    data = np.memmap(path, np.uint8, mode="r", offset=start) if path.stat().st_size > start else np.empty(0, np.uint8)
+    return tensor_views(data, header, names)
+
+
+def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """(byte offset of the data section, the JSON header) of a .safetensors file."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    start = 8 + size
-    data = np.memmap(path, np.uint8, mode="r", offset=start) if path.stat().st_size > start else np.empty(0, np.uint8)
+        return 8 + size, json.loads(f.read(size))
+
+
+def tensor_views(data: np.ndarray, header: dict[str, Any], names=None) -> dict[str, np.ndarray]:
+    """{name: numpy view} of `names` (default: every tensor) over `data`, a safetensors file's data
+    section as uint8 (a memory map, or bytes read into memory); bfloat16 as ml_dtypes.bfloat16."""
+    names = [n for n in header if n != "__metadata__"] if names is None else names
 
     def view(entry) -> np.ndarray:
         lo, hi = entry["data_offsets"]

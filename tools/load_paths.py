@@ -22,13 +22,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxspec import saved  # noqa: E402
+from jaxspec import saved, weights  # noqa: E402
 
-DTYPES = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F16": np.float16, "I32": np.int32}
 CHUNK = 1 << 26  # bytes per positioned read of the slab variants
 
 
@@ -42,11 +40,8 @@ def read_at(fd: int, buf: np.ndarray, offset: int) -> None:
 class Bench:
     def __init__(self, path: str):
         self.path, self.size, self.results = path, os.path.getsize(path), {"file_bytes": os.path.getsize(path)}
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        self.base = 8 + n
-        self.items = [v for k, v in header.items() if k != "__metadata__"]
+        self.start, self.header = weights.read_header(path)
+        self.items = [v for k, v in self.header.items() if k != "__metadata__"]
 
     def record(self, name: str, seconds: float) -> None:
         self.results[name] = seconds
@@ -63,8 +58,7 @@ class Bench:
         return out
 
     def views(self, buf: np.ndarray) -> list[np.ndarray]:
-        return [buf[self.base + v["data_offsets"][0]:self.base + v["data_offsets"][1]]
-                .view(DTYPES[v["dtype"]]).reshape(v["shape"]) for v in self.items]
+        return list(weights.tensor_views(buf[self.start:], self.header).values())
 
     def slab(self, threads: int) -> np.ndarray:
         buf = np.empty(self.size, np.uint8)
@@ -77,13 +71,14 @@ class Bench:
         return buf
 
     def read_and_put(self, v: dict) -> jax.Array:
-        arr = np.empty(v["shape"], DTYPES[v["dtype"]])
+        lo, hi = v["data_offsets"]
+        raw = np.empty(hi - lo, np.uint8)
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            read_at(fd, arr.reshape(-1).view(np.uint8), self.base + v["data_offsets"][0])
+            read_at(fd, raw, self.start + lo)
         finally:
             os.close(fd)
-        return jax.device_put(arr)
+        return jax.device_put(weights.tensor_views(raw, {"t": dict(v, data_offsets=[0, hi - lo])})["t"])
 
 
 def sequential_read(path: str) -> None:
@@ -122,7 +117,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # a backend without pinned host memory
         b.results["E_error"] = repr(e)[:300]
         print("E pinned host memory:", b.results["E_error"])
-    mapped = b.views(np.memmap(b.path, np.uint8, mode="r"))
+    mapped = list(weights.open_checkpoint(b.path).values())
     b.timed("F memory-mapped views, put by 8 threads", lambda: threaded(jax.device_put, mapped, 8))
     for n in (8, 16):
         b.timed(f"G read + put per tensor, {n} threads", lambda n=n: threaded(b.read_and_put, b.items, n))
