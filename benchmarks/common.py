@@ -250,10 +250,25 @@ def block(x):
     return jax.block_until_ready(x)
 
 
-def _stats(samples: list[float]) -> dict:
+def _stats(samples: list[float]) -> dict | None:
+    """Median, range and samples in ms; None when nothing was timed."""
+    if not samples:
+        return None
     ms = sorted(s * 1e3 for s in samples)
     return {"median_ms": ms[len(ms) // 2] if len(ms) % 2 else (ms[len(ms) // 2 - 1] + ms[len(ms) // 2]) / 2,
             "min_ms": ms[0], "max_ms": ms[-1], "samples_ms": [round(x, 4) for x in ms]}
+
+
+def _pipeline(call, n: int) -> tuple[float, list[float]]:
+    """Seconds for n calls enqueued back to back and one wait, and each call's host time to return."""
+    dispatch, out = [], None
+    start = time.perf_counter()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = call()
+        dispatch.append(time.perf_counter() - t0)
+    block(out)
+    return time.perf_counter() - start, dispatch
 
 
 def time_steps(call, *, warmup: int = 2, repeats: int = 5, pipeline: int = 8) -> dict:
@@ -261,8 +276,13 @@ def time_steps(call, *, warmup: int = 2, repeats: int = 5, pipeline: int = 8) ->
 
     latency:   each call waited for (block_until_ready), as a host loop that reads results pays.
     pipelined: `pipeline` calls enqueued back to back, then one wait; per call. Close to device
-               time when host dispatch is shorter than the step.
-    Both are the median of `repeats` samples, after `warmup` calls."""
+               time when host dispatch is shorter than the step, but it still holds one call's fill
+               and drain (dispatch of the first, readback of the last) spread over `pipeline` calls.
+    steady:    the per-call wall of a long generation loop: each repeat also runs 5 * `pipeline`
+               calls, and (t(long) - t(short)) / (long - short) cancels the fill and drain.
+    dispatch:  host time for call() to return (not waiting) in the long runs, the median per repeat.
+               Near steady, the host (or a full launch queue) sets the pace rather than the device.
+    Each is the median of `repeats` samples, after `warmup` calls; pipeline = 0 times latency only."""
     for _ in range(warmup):
         block(call())
     latency = []
@@ -270,16 +290,17 @@ def time_steps(call, *, warmup: int = 2, repeats: int = 5, pipeline: int = 8) ->
         start = time.perf_counter()
         block(call())
         latency.append(time.perf_counter() - start)
-    piped = []
+    long = 5 * pipeline
+    piped, steady, dispatch = [], [], []
     for _ in range(repeats if pipeline > 0 else 0):
-        start = time.perf_counter()
-        out = None
-        for _ in range(pipeline):
-            out = call()
-        block(out)
-        piped.append((time.perf_counter() - start) / pipeline)
-    return {"latency": _stats(latency), "pipelined": _stats(piped) if piped else None, "repeats": repeats,
-            "pipeline": pipeline, "warmup": warmup}
+        short_s, _ = _pipeline(call, pipeline)
+        long_s, calls = _pipeline(call, long)
+        piped.append(short_s / pipeline)
+        steady.append((long_s - short_s) / (long - pipeline))
+        dispatch.append(median(calls))
+    return {"latency": _stats(latency), "pipelined": _stats(piped), "steady": _stats(steady),
+            "dispatch": _stats(dispatch), "repeats": repeats, "pipeline": pipeline, "pipeline_long": long,
+            "warmup": warmup}
 
 
 def median(values):

@@ -8,6 +8,11 @@ per-call wall time, the device-busy time (sum of GPU kernel durations per step, 
 kernel count per step, and the kernels that take the most time, grouped by name. Wall time well
 above device-busy time means host launches or synchronisation; device-busy time above the
 weight-read floor means slow kernels. The raw trace stays in --trace-dir for TensorBoard / XProf.
+
+pipelined is 8 calls and one wait, so it still holds one call's dispatch and readback; steady is the
+per-call wall of a long loop (the slope between 8 and 40 calls, which cancels them): steady above
+device busy is the host overhead a long generation loop pays. dispatch is the host time for one
+call to return; near steady, the host sets the pace. --rows REGEX keeps only the matching steps.
 """
 
 from __future__ import annotations
@@ -48,11 +53,18 @@ def parse(argv=None):
     p.add_argument("--prefill-rows", default="1",
                    help="requests per prefill call, as Model.prefill_rows packs them (comma list; each with each chunk)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunks only, no decode steps")
+    p.add_argument("--rows", default=None, metavar="REGEX",
+                   help="profile only the steps whose label matches this regular expression (re.search; "
+                        "default: all)")
     args = common.parse_args(p, argv, SMOKE)
     args.chunk_list = common.int_list(args.prefill_chunks) if args.prefill_chunks else []
     args.rows_list = common.int_list(args.prefill_rows)
     if args.prefill_only and not args.chunk_list:
         raise SystemExit("--prefill-only needs --prefill-chunks")
+    try:
+        args.rows_re = re.compile(args.rows) if args.rows is not None else None
+    except re.error as e:
+        raise SystemExit(f"--rows {args.rows!r}: not a regular expression: {e}") from None
     args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
     for flag, value in (("--batch", args.batch), ("--prefill-rows", max(args.rows_list))):
         if not 1 <= value <= args.engine["max_num_seqs"]:
@@ -112,6 +124,7 @@ def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
     span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / per
                if events else None)
     return {"step": name, "rounds_per_call": steps, "pipelined_ms": timing["pipelined"]["median_ms"] / steps,
+            "steady_ms": timing["steady"]["median_ms"] / steps, "dispatch_ms": timing["dispatch"]["median_ms"] / steps,
             "latency_ms": timing["latency"]["median_ms"] / steps,
             "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / per,
             "top": [{"name": n[:160], "ms_per_step": t / 1e6 / per, "calls_per_step": c / per}
@@ -124,7 +137,6 @@ def main(argv=None) -> int:
 
     name = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b",))[0]
     layers = common.parse_layers(args.layers, [name])[name]
-    res = common.Results("profile_step", args)
     hf = common.shape_config(name, layers)
     model = common.build_model(hf, dtype=args.dtype, kernels=args.kernels, engine=args.engine)
     eng = model.engine(0)
@@ -135,7 +147,6 @@ def main(argv=None) -> int:
     st = {"caches": eng.caches, "state": step_times.loop_state(eng, max([R] + args.rows_list), args.context)}
     weights = common.params_bytes_by_kind(cfg, args.dtype)
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    bw = common.measure_bandwidth(4 * common.GiB if not args.smoke else common.GiB // 32)
     forward = jax.jit(functools.partial(_forward_argmax, cfg=cfg, ecfg=ecfg, kernels=eng.kernels),
                       donate_argnums=(1, 2))
     rng = np.random.default_rng(0)
@@ -200,7 +211,11 @@ def main(argv=None) -> int:
         plan = []
     plan += [(f"prefill chunk C={C} x {rows} request{'s' * (rows > 1)}", (rows, C), prefill_call(C, rows))
              for C in args.chunk_list for rows in args.rows_list]
-    mm = common.measure_matmul(8192 if not args.smoke else 256) if args.chunk_list else None
+    plan = select_rows(plan, args.rows_re)
+    res = common.Results("profile_step", args)  # after the check: a typo in --rows leaves earlier results alone
+    bw = common.measure_bandwidth(4 * common.GiB if not args.smoke else common.GiB // 32)
+    prefill = any(isinstance(T, tuple) for _, T, _ in plan)
+    mm = common.measure_matmul(8192 if not args.smoke else 256) if prefill else None
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="jaxspec-profile-")
     budget = common.Budget(args.budget_s)
     for label, T, (call, steps) in plan:
@@ -223,7 +238,8 @@ def main(argv=None) -> int:
             item["floor_ms"] = common.step_bytes(cfg, weights, R, T, args.context, itemsize)["floor"] \
                 / bw["bytes_per_s"] * 1e3
         res.add(item)
-        log(f"{label}: pipelined {item['pipelined_ms']:.3f} ms, device busy {fmt(item['device_busy_ms'], 3)} ms, "
+        log(f"{label}: pipelined {item['pipelined_ms']:.3f} ms, steady {item['steady_ms']:.3f} ms, dispatch "
+            f"{item['dispatch_ms']:.3f} ms, device busy {fmt(item['device_busy_ms'], 3)} ms, "
             f"{item['kernels_per_step']:.0f} kernels")
     res.data.update(shape=name, layers=hf["num_hidden_layers"], batch=R, context=args.context, bandwidth=bw, matmul=mm,
                     kernels=eng.kernels, trace_dir=trace_root)
@@ -232,13 +248,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def select_rows(plan: list, pattern: re.Pattern | None) -> list:
+    """The plan rows whose label matches --rows; a pattern that matches none is a typo, not an empty run."""
+    if pattern is None:
+        return plan
+    kept = [row for row in plan if pattern.search(row[0])]
+    if not kept:
+        labels = "\n  ".join(label for label, _, _ in plan)
+        raise SystemExit(f"--rows {pattern.pattern!r} matches no step; the steps are:\n  {labels}")
+    return kept
+
+
 def print_tables(res) -> None:
     d = res.data
-    rows = [[r["step"], fmt(r["pipelined_ms"], 3), fmt(r["latency_ms"], 3), fmt(r["device_busy_ms"], 3),
-             fmt(r["floor_ms"], 3), f"{r['kernels_per_step']:.0f}"] for r in d["results"]]
+    rows = [[r["step"], fmt(r["pipelined_ms"], 3), fmt(r.get("steady_ms"), 3), fmt(r.get("dispatch_ms"), 3),
+             fmt(r["latency_ms"], 3), fmt(r["device_busy_ms"], 3), fmt(r["floor_ms"], 3),
+             f"{r['kernels_per_step']:.0f}"] for r in d["results"]]
     print(f"\n{d.get('shape')} ({d.get('layers')} layers), batch {d.get('batch')}, context {d.get('context')}, "
           f"kernels {d.get('kernels')}")
-    print(common.format_table(rows, ["step", "pipelined ms", "latency ms", "device busy ms", "floor ms", "kernels"]))
+    print(common.format_table(rows, ["step", "pipelined ms", "steady ms", "dispatch ms", "latency ms",
+                                     "device busy ms", "floor ms", "kernels"]))
     for r in d["results"]:
         print(f"\n{r['step']}: top kernels")
         print(common.format_table([[t["name"][:90], fmt(t["ms_per_step"], 4), fmt(t["calls_per_step"], 1)]

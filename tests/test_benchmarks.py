@@ -12,8 +12,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,10 +167,53 @@ def test_profile_step_smoke(smoke):
                      "prefill chunk C=16 x 1 request"]
     for r in doc["results"]:
         assert r["pipelined_ms"] > 0 and r["floor_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
+        assert r["steady_ms"] > 0 and r["dispatch_ms"] > 0
     prefill = doc["results"][-1]  # its floor: the slower of its bytes and its FLOPs at the measured matmul rate
     assert prefill["floor_ms"] == max(prefill["bytes_floor_ms"], prefill["compute_floor_ms"]) > 0
     assert doc["matmul"]["flop_per_s"] > 0
-    assert "top kernels" in smoke["stdout"]["profile_step"]
+    assert "top kernels" in smoke["stdout"]["profile_step"] and "steady ms" in smoke["stdout"]["profile_step"]
+
+
+def test_profile_step_rows_keeps_the_matching_steps():
+    from benchmarks.profile_step import select_rows
+
+    plan = [("decode (greedy)", 1, None), ("forward+argmax T=2", 2, None), ("verify round k=1 T=2", 2, None)]
+    assert select_rows(plan, None) == plan
+    assert [r[0] for r in select_rows(plan, re.compile("greedy|verify"))] == ["decode (greedy)", "verify round k=1 T=2"]
+    with pytest.raises(SystemExit, match=r"matches no step(.|\n)*forward\+argmax T=2"):
+        select_rows(plan, re.compile("prefill"))
+
+
+class _FakeDevice:
+    """A device that runs each call `step_s` after the previous one ends and whose result reaches the
+    host `readback_s` later; dispatch is free."""
+
+    def __init__(self, step_s: float, readback_s: float):
+        self.step_s, self.readback_s, self.free_at = step_s, readback_s, 0.0
+
+    def __call__(self):
+        self.free_at = max(self.free_at, time.perf_counter()) + self.step_s
+        return _FakeResult(self.free_at + self.readback_s)
+
+
+class _FakeResult:
+    def __init__(self, ready_at: float):
+        self.ready_at = ready_at
+
+    def block_until_ready(self):
+        time.sleep(max(0.0, self.ready_at - time.perf_counter()))
+        return self
+
+
+def test_time_steps_steady_cancels_fill_and_drain():
+    """A 1 ms step read back 10 ms later: 8 pipelined calls carry the readback (~2.25 ms a call), the
+    slope between 8 and 40 calls does not (~1 ms); dispatch is the host's share (~0)."""
+    t = common.time_steps(_FakeDevice(1e-3, 10e-3), warmup=1, repeats=5, pipeline=8)
+    assert t["pipeline_long"] == 40 and t["latency"]["median_ms"] > 10
+    assert t["pipelined"]["median_ms"] > 2.0 and 0.8 < t["steady"]["median_ms"] < 1.3
+    assert t["dispatch"]["median_ms"] < 0.5
+    bare = common.time_steps(_FakeDevice(1e-4, 0.0), warmup=0, repeats=1, pipeline=0)
+    assert bare["latency"] and bare["pipelined"] is bare["steady"] is bare["dispatch"] is None
 
 
 def test_throughput_smoke(smoke):
