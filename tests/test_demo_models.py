@@ -207,7 +207,7 @@ def test_train_demo_tiny_end_to_end(tmp_path):
     out = tmp_path / "out"
     stages = ("target", "draft", "mtp", "eagle3", "dflash")
     cmd = [sys.executable, str(ROOT / "tools" / "train_demo.py"), "--out", str(out), "--tiny", "--log-every", "1",
-           *[arg for stage in stages for arg in (f"--{stage}-steps", "3")]]
+           "--dflash-rollouts", "16", *[arg for stage in stages for arg in (f"--{stage}-steps", "3")]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for stage in stages:
@@ -235,3 +235,29 @@ def test_train_demo_tiny_end_to_end(tmp_path):
     assert e.config.draft_vocab_size < target_cfg.vocab_size and len(set(e.config.taps(target_cfg))) == 3
     assert d.config.block_size == 16 and d.config.taps == e.config.taps(target_cfg)
     assert all(x.dtype == np.dtype("bfloat16") for x in jax.tree_util.tree_leaves(d.params))
+    assert metrics["training"]["dflash"]["rollouts"] == 16  # --dflash-rollouts: target-continued windows
+
+    # --retrain dflash: a new DFlash drafter against the same pair; everything else byte for byte
+    again = tmp_path / "again"
+    cmd = [sys.executable, str(ROOT / "tools" / "train_demo.py"), "--out", str(again), "--tiny", "--retrain", "dflash",
+           "--from", str(out), "--dflash-steps", "2", "--log-every", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "[dflash] step 2/2 " in proc.stdout and "[target]" not in proc.stdout
+    for sub in ("target", "draft", "eagle3"):
+        for f in (out / sub).iterdir():
+            assert (again / sub / f.name).read_bytes() == f.read_bytes(), f
+        demo.verify_trained_dir(again, sub)
+    demo.verify_trained_dir(again, "dflash")
+    redone = json.loads((again / "metrics.json").read_text())
+    assert redone["training"]["dflash"]["steps"] == 2 and str(out) in redone["retrained"]["dflash"]["argv"]
+    assert redone["training"]["target"] == metrics["training"]["target"]
+    assert redone["heldout"] == metrics["heldout"] and redone["tau"]["mtp"] == metrics["tau"]["mtp"]
+
+
+def test_train_demo_retrain_refuses_its_own_source(tmp_path):
+    """--retrain writes a directory of its own: --out equal to --from is refused before any work."""
+    cmd = [sys.executable, str(ROOT / "tools" / "train_demo.py"), "--out", str(tmp_path), "--tiny", "--retrain",
+           "dflash", "--from", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "must differ from --from" in proc.stderr

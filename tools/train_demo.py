@@ -75,10 +75,13 @@ TINY_SIZES = {
 # batch (tools/demo_metrics.py).
 # Early stopping: validation loss every `val_every` steps on `val_windows` fixed windows; the best
 # params are kept and training stops after `patience` checks without a new best.
+# --dflash-rollouts windows continued by the target (tools/train_heads.py) are made `rollout_batch` rows per forward.
 FULL_TRAIN = dict(vocab=4096, seq_len=256, batch=64, lr=2e-3, warmup=200, corpus_bytes=None, max_pos=2048,
-                  eval_windows=256, eval_prompts=64, eval_batch=32, val_every=200, val_windows=128, patience=4)
+                  eval_windows=256, eval_prompts=64, eval_batch=32, val_every=200, val_windows=128, patience=4,
+                  rollout_batch=512)
 TINY_TRAIN = dict(vocab=1024, seq_len=64, batch=8, lr=3e-3, warmup=10, corpus_bytes=1_500_000, max_pos=512,
-                  eval_windows=16, eval_prompts=8, eval_batch=8, val_every=5, val_windows=8, patience=2)
+                  eval_windows=16, eval_prompts=8, eval_batch=8, val_every=5, val_windows=8, patience=2,
+                  rollout_batch=8)
 MTP_WEIGHT = 0.3  # loss = next-token + MTP_WEIGHT * MTP (token t+2), as DeepSeek-V3's lambda
 TINY_DEFAULT_STEPS = 20
 # Time boxes (seconds, compile included) of the stages, in training order.
@@ -297,7 +300,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compute-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="activation dtype (params stay float32); auto = bfloat16 on GPU, float32 elsewhere")
     p.add_argument("--log-every", type=int, default=None, help="loss print interval (steps)")
+    p.add_argument("--dflash-rollouts", type=int, default=0,
+                   help="train DFlash on this many corpus prompts continued by the target's greedy decoding "
+                        "instead of corpus windows (0 = corpus windows; on the H200, 8192 did no better: "
+                        "docs/benchmarks.md, \"Trained demo pair\")")
+    p.add_argument("--patience", type=int, default=None,
+                   help="validation checks without a new best before a stage stops early (default: 4, tiny 2)")
+    p.add_argument("--retrain", choices=["dflash"], default=None,
+                   help="train only this drafter against the pair in --from; its tokenizer, target, draft and "
+                        "other drafters are copied unchanged and metrics.json is re-evaluated")
+    p.add_argument("--from", dest="source", default=None,
+                   help=f"the directory --retrain starts from (default: the shipped {demo.TRAINED_ROOT.name}/)")
     args = p.parse_args(argv)
+    if args.source and not args.retrain:
+        p.error("--from is only read with --retrain")
     for stage, seconds in STAGE_SECONDS.items():
         if getattr(args, f"{stage}_seconds") is None:
             if args.tiny and getattr(args, f"{stage}_steps") is None:
@@ -306,12 +322,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def prepare(args, opts: dict):
-    """Corpus, split, tokenizer and token streams -> (tok, specials, {train, validation, heldout stream}, record)."""
+def prepare(args, opts: dict, tok=None):
+    """Corpus, split, tokenizer (trained here unless given) and token streams -> (tok, specials,
+    {train, validation, heldout stream}, record)."""
     t0 = time.perf_counter()
     files = stdlib_files(include_tests=not args.no_tests, max_bytes=opts["corpus_bytes"])
     train_texts, val_texts, held_texts = split_files(files)
-    tok = train_tokenizer(train_texts, opts["vocab"])
+    tok = tok or train_tokenizer(train_texts, opts["vocab"])
     specials = {s: tok.token_to_id(s) for s in SPECIALS}
     streams = {"train": token_stream(tok, train_texts), "validation": token_stream(tok, val_texts),
                "heldout": token_stream(tok, held_texts)}
@@ -369,6 +386,59 @@ def write_all(out: Path, models: dict, drafters: dict, tok, specials: dict) -> N
         module.save(params, head_cfg, out / name, dtype="bfloat16")
 
 
+def load_pair(src: Path, old: dict) -> dict:
+    """The target and draft checkpoints of `src` as train_pair returns them (float32 params of the
+    stored bf16 values; the records from src's metrics.json)."""
+    models = {}
+    for name in ("target", "draft"):
+        config = json.loads((src / name / "config.json").read_text())
+        cfg = ModelConfig.from_hf(config)
+        params = weights.hf_to_params(cfg, weights.read_checkpoint_tensors(src / name), "float32")
+        models[name] = (cfg, params, old["training"][name], config)
+    return models
+
+
+def retrain(args, opts: dict, t0: float) -> int:
+    """--retrain dflash: the pair, tokenizer and EAGLE-3 head of --from are kept (copied byte for
+    byte); a new DFlash drafter is trained against the target and every held-out metric is
+    re-evaluated, so metrics.json describes the directory as written."""
+    from tokenizers import Tokenizer
+
+    src, out = Path(args.source) if args.source else demo.TRAINED_ROOT, Path(args.out)
+    if src.resolve() == out.resolve():
+        raise SystemExit(f"--out {out} must differ from --from {src}: the retrain reads what it replaces")
+    old = json.loads((src / "metrics.json").read_text())
+    tok = Tokenizer.from_file(str(src / "target" / "tokenizer.json"))
+    if tok.get_vocab_size() != opts["vocab"]:
+        raise SystemExit(f"{src}: tokenizer of {tok.get_vocab_size()} tokens, but this mode trains with "
+                         f"{opts['vocab']} (--tiny: {TINY_TRAIN['vocab']}, else {FULL_TRAIN['vocab']})")
+    tok, specials, streams, corpus = prepare(args, opts, tok)
+    models = load_pair(src, old)
+    cfg, params = models["target"][:2]
+    sizes = train_heads.TINY_HEADS if args.tiny else train_heads.FULL_HEADS
+    states = train_heads.target_states(cfg, params, jnp.dtype(opts["compute_dtype"]))
+    dcfg, hp, record = train_heads.train_dflash(
+        cfg, params, states, (streams["train"], streams["validation"]), opts, sizes["dflash"],
+        specials[train_heads.MASK_TOKEN], seconds=args.dflash_seconds, steps=args.dflash_steps, seed=args.seed + 14,
+        log_every=args.log_every or (10 if args.tiny else 100))
+    for name in ("target", "draft", "eagle3"):
+        shutil.copytree(src / name, out / name)
+    dflash.save(hp, dcfg, out / "dflash", dtype="bfloat16")
+    head = eagle3.load(src / "eagle3", "float32")
+    metrics = demo_metrics.evaluate({n: models[n][:3] for n in ("target", "draft")}, streams["heldout"], tok,
+                                    specials, opts, heads={"eagle3": (head.config, head.params), "dflash": (dcfg, hp)})
+    old["training"]["dflash"] = {k: v for k, v in record.items() if not k.endswith("_curve")}
+    old["loss_curves"]["dflash"], old["val_curves"]["dflash"] = record["loss_curve"], record["val_curve"]
+    old.update(metrics)
+    old["retrained"] = {"dflash": {"argv": sys.argv[1:], "jax": jax.__version__, "backend": jax.default_backend(),
+                                   "corpus": corpus, "seconds": round(time.perf_counter() - t0, 1)}}
+    (out / "metrics.json").write_text(json.dumps(old, indent=2) + "\n")
+    write_sums(out)
+    print(json.dumps({k: metrics[k] for k in ("tau", "acceptance_by_position")}, indent=2))
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -378,8 +448,12 @@ def main(argv=None) -> int:
     opts = dict(TINY_TRAIN if args.tiny else FULL_TRAIN)
     opts["batch"] = args.batch_size or opts["batch"]
     opts["seq_len"] = args.seq_len or opts["seq_len"]
+    opts["dflash_rollouts"] = args.dflash_rollouts
+    opts["patience"] = args.patience or opts["patience"]
     opts["compute_dtype"] = (args.compute_dtype if args.compute_dtype != "auto"
                              else "bfloat16" if jax.default_backend() == "gpu" else "float32")
+    if args.retrain:
+        return retrain(args, opts, t0)
     tok, specials, streams, corpus = prepare(args, opts)
     models = train_pair(args, opts, TINY_SIZES if args.tiny else FULL_SIZES, specials, streams)
     drafters = train_drafters(args, opts, models, specials, streams)

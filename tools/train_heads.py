@@ -8,7 +8,12 @@
   most frequent training tokens) on the same unroll (eagle3.train_chain), written to eagle3/.
 - dflash: a DFlash drafter (block_size DFLASH_BLOCK, so k <= 15) trained on blocks at random anchors
   a of each window: block = [token a, mask x 15] at positions a .., context = the target's taps at
-  0 .. a - 1 (dflash.train_block_logits), written to dflash/.
+  0 .. a - 1 (dflash.train_block_logits), written to dflash/. With opts["dflash_rollouts"] = N > 0
+  the windows are N corpus prompts of half a window, each continued by the frozen target's own
+  greedy decoding, and the anchors fall in that continuation: a block's later rows are then the
+  target's greedy continuation of the block's context (what a verify accepts), not the corpus's
+  next tokens, which a one-shot block drafter cannot know. On the 2026-12-02 pair, trained on corpus
+  windows, DFlash's acceptance fell to 0.03 by the fourth draft (docs/benchmarks.md).
 
 Every head learns the target's own distribution (soft labels: the frozen target's softmax at the
 predicted position, restricted to the draft vocabulary for EAGLE-3), since a draft is accepted when it
@@ -19,6 +24,7 @@ validation checks with early stopping on the same objective over fixed validatio
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -197,26 +203,54 @@ def dflash_loss(hp, batch, frozen, *, dcfg: dflash.DFlashConfig, cfg: ModelConfi
     return loss, (loss,)
 
 
-def anchored(data, block: int, width: int, count: int, seed: int):
-    """Batches of `data` with "anchors": [B, count] seeded anchors in 1 .. width - block + 1."""
+def anchored(data, block: int, width: int, count: int, seed: int, low: int = 1):
+    """Batches of `data` with "anchors": [B, count] seeded anchors in low .. width - block + 1."""
     rng = np.random.default_rng(seed)
     for batch in data:
-        yield {**batch, "anchors": rng.integers(1, width - block + 2, size=(len(batch["tokens"]), count))}
+        yield {**batch, "anchors": rng.integers(low, width - block + 2, size=(len(batch["tokens"]), count))}
+
+
+def rollouts(cfg: ModelConfig, params: dict, stream: np.ndarray, count: int, width: int, batch: int,
+             seed: int | None) -> np.ndarray:
+    """[count, width] windows: the first width // 2 tokens from `stream` (at seeded offsets, or evenly
+    spaced with seed None), the rest the target's greedy continuation, computed with the
+    bf16-rounded params the shipped checkpoint holds (demo_metrics.greedy_continue)."""
+    from demo_metrics import bf16_round, greedy_continue
+
+    prompt = width // 2
+    if seed is None:
+        prompts = validation_windows(stream, count, prompt)
+    else:
+        starts = np.random.default_rng(seed).integers(0, len(stream) - prompt, size=count)
+        prompts = stream[starts[:, None] + np.arange(prompt)]
+    return greedy_continue((cfg, bf16_round(params)), prompts, width - prompt, batch)
+
+
+def window_batches(windows: np.ndarray, batch: int, seed: int):
+    """Endless [batch, width] batches of seeded rows of `windows`."""
+    rng = np.random.default_rng(seed)
+    while True:
+        yield windows[rng.integers(0, len(windows), size=batch)]
 
 
 # ---- the stages -------------------------------------------------------------------------------------
 
 def _stage(name, loss, params, frozen, states, streams, opts, seconds, steps, seed, log_every, loss_names,
-           with_anchors=False):
+           with_anchors=False, windows=None):
     """fit() one head against the frozen target (states = target_states) on windows of
-    opts["seq_len"] tokens of streams (train, validation)."""
+    opts["seq_len"] tokens of streams (train, validation), or of `windows` (train, validation
+    [N, seq_len] arrays of rollouts, whose anchors fall in the second half)."""
     width = opts["seq_len"]
-    data = ({"tokens": w} for w in batches(streams[0], opts["batch"], width, seed))
-    val = validation_windows(streams[1], opts["val_windows"], width)
+    if windows is None:
+        data = ({"tokens": w} for w in batches(streams[0], opts["batch"], width, seed))
+        val, low = validation_windows(streams[1], opts["val_windows"], width), 1
+    else:
+        data = ({"tokens": w} for w in window_batches(windows[0], opts["batch"], seed))
+        val, low = windows[1], width // 2
     chunks = [{"tokens": val[i:i + opts["eval_batch"]]} for i in range(0, len(val), opts["eval_batch"])]
     if with_anchors:
-        data = anchored(data, DFLASH_BLOCK, width, ANCHORS, seed + 1)
-        chunks = list(anchored(iter(chunks), DFLASH_BLOCK, width, ANCHORS, 12345))
+        data = anchored(data, DFLASH_BLOCK, width, ANCHORS, seed + 1, low)
+        chunks = list(anchored(iter(chunks), DFLASH_BLOCK, width, ANCHORS, 12345, low))
     val_loss = mean_over(jax.jit(lambda p, b, f: loss(p, b, f)[0]), [states(c) for c in chunks], frozen)
     return fit(name, adam_step(loss), params, map(states, data), val_loss, {**opts, **STAGES[name]}, seconds=seconds,
                steps=steps, log_every=log_every, loss_names=loss_names, frozen=frozen)
@@ -255,6 +289,17 @@ def train_dflash(cfg, params, states, streams, opts, size, mask_token_id, *, sec
     frozen = {"target": _cast(params, dtype)}
     loss = functools.partial(dflash_loss, dcfg=dcfg, cfg=cfg, compute_dtype=dtype)
     hp = init_dflash(jax.random.PRNGKey(seed), dcfg, params, cfg)
+    windows, count = None, opts.get("dflash_rollouts", 0)
+    if count:
+        start = time.perf_counter()
+        width, batch = opts["seq_len"], opts["rollout_batch"]
+        windows = (rollouts(cfg, params, streams[0], count, width, batch, seed + 2),
+                   rollouts(cfg, params, streams[1], opts["val_windows"], width, batch, None))
+        rolled = {"rollouts": count, "validation_rollouts": opts["val_windows"], "prompt_tokens": width // 2,
+                  "new_tokens": width - width // 2, "rollout_seconds": round(time.perf_counter() - start, 1)}
+        print(f"[dflash] rollouts {rolled}", flush=True)
     hp, record = _stage("dflash", loss, hp, frozen, states, streams, opts, seconds, steps, seed, log_every,
-                        ("loss",), with_anchors=True)
+                        ("loss",), with_anchors=True, windows=windows)
+    if count:
+        record.update(rolled)
     return dcfg, hp, record
