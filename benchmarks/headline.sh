@@ -35,14 +35,15 @@ step() {
 
 if has profile; then
   for shape in qwen3-4b qwen3.5-2b; do
-    step "profile_step_$shape" 100 "$PY" benchmarks/profile_step.py --shapes "$shape" --ks 7 --repeats 5 \
-      --traced 5 --top 6 --out "$OUT/profile_step_$shape.json"
+    step "profile_step_$shape" 130 "$PY" benchmarks/profile_step.py --shapes "$shape" --ks 7 --repeats 5 \
+      --traced 5 --top 6 --rows 'engine round, greedy|x4 rounds|verify round' --out "$OUT/profile_step_$shape.json"
   done
 fi
 has e2e && step e2e 200 "$PY" benchmarks/e2e.py --shapes qwen3-4b,qwen3.5-2b --methods replay --alphas 0.8 --ks 7 \
   --new-tokens 256 --repeats 3 --out "$OUT/e2e.json"
 has peers && step peers 200 "$PY" benchmarks/peers.py --shapes qwen3-4b,qwen3.5-2b --modes eager,static_compile \
   --new-tokens 256 --repeats 3 --compile-min-s 40 --out "$OUT/peers.json"
-has startup && step startup 150 "$PY" benchmarks/startup.py --shapes qwen3-4b,qwen3.5-2b --out "$OUT/startup.json"
+has startup && step startup 150 "$PY" benchmarks/startup.py --shapes qwen3-4b,qwen3.5-2b --runs cold,warm \
+  --out "$OUT/startup.json"
 "$PY" benchmarks/report.py "$OUT" > "$OUT/report.log" 2>&1
 tail -n 40 "$OUT/report.log"

@@ -276,6 +276,35 @@ def test_plot_and_report(smoke):
     assert "bandwidth" in smoke["stdout"]["report"]
 
 
+def test_headline_reads_the_steady_wall_and_startup(tmp_path):
+    """report.headline: the decode wall is the steady column where the run has it (the 8-call
+    pipelined figure otherwise), next to busy and floor; warm and cold time to first token from
+    startup.json; ratios to HF static + compile."""
+    from benchmarks import report
+
+    decode = {"step": "decode (engine round, greedy, 1 inert)", "pipelined_ms": 2.5, "steady_ms": 1.9,
+              "device_busy_ms": 1.88, "floor_ms": 1.0}
+    (tmp_path / "profile_step_qwen3.5-2b.json").write_text(json.dumps(
+        {"results": [decode], "bandwidth": {"tb_per_s": 3.78}}))
+    (tmp_path / "profile_step_qwen3-4b.json").write_text(json.dumps(
+        {"results": [{k: v for k, v in decode.items() if k != "steady_ms"}]}))
+    (tmp_path / "startup.json").write_text(json.dumps({"results": [
+        {"shape": "qwen3.5-2b", "runs": {"cold": {"ttft_s": 11.2}, "warm": {"ttft_s": 3.4}}}]}))
+    (tmp_path / "e2e.json").write_text(json.dumps({"results": [
+        {"shape": "qwen3.5-2b", "batch": 1, "plain": {"tokens_per_s": 500.0},
+         "runs": [{"method": "replay", "k": 7, "alpha": 0.8, "tokens_per_s": 1600.0, "tau": 3.6}]}]}))
+    (tmp_path / "peers.json").write_text(json.dumps({"results": [
+        {"shape": "qwen3.5-2b",
+         "modes": {"static_compile": {"tokens_per_s": 250.0}, "eager": {"tokens_per_s": 28.0}}}]}))
+    head = report.headline(tmp_path)
+    row = head["qwen3.5-2b"]
+    assert row["decode_step_wall_ms"] == 1.9 and row["decode_step_pipelined_8_ms"] == 2.5
+    assert row["decode_device_busy_ms"] == 1.88 and row["bandwidth_tb_s"] == 3.78
+    assert (row["startup_warm_ttft_s"], row["startup_cold_ttft_s"]) == (3.4, 11.2)
+    assert row["plain_over_hf_static_compile"] == 2.0 and row["spec_over_hf_static_compile"] == 6.4
+    assert head["qwen3-4b"]["decode_step_wall_ms"] == 2.5  # an older run without the steady column
+
+
 # ---- the byte model and the fit, in process ------------------------------------------------------
 
 
