@@ -150,7 +150,7 @@ def write_safetensors(tensors: Tensors, path: str | os.PathLike) -> Path:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     arrays, offset = [], 0
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        a = np.require(tensors[name], requirements="C")  # C order; unlike ascontiguousarray, keeps 0-d as 0-d
         if a.dtype not in _NP_TO_ST:
             raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}; valid: {sorted(map(str, _NP_TO_ST))}")
         header[name] = {"dtype": _NP_TO_ST[a.dtype], "shape": list(a.shape),

@@ -471,3 +471,16 @@ def test_checkpoint_tensors_are_memory_mapped_views(tmp_path):
         assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), name
     empty = open_checkpoint(write_safetensors({"e": np.zeros((0, 4), np.float32)}, tmp_path / "e.safetensors"))
     assert empty["e"].shape == (0, 4) and empty["e"].dtype == np.float32
+
+
+def test_write_safetensors_keeps_scalars_and_orders_strided_arrays(tmp_path):
+    """A 0-d tensor is stored with shape [] (not [1]) and a transposed view in C order; both read
+    back exactly, through the safetensors library and through jaxspec's own reader."""
+    from safetensors.numpy import load_file
+
+    tensors = {"scale": np.array(0.5, np.float32), "step": np.int32(7),
+               "t": np.arange(6, dtype=np.float32).reshape(2, 3).T}
+    path = write_safetensors(tensors, tmp_path / "s.safetensors")
+    for back in (load_file(str(path)), open_checkpoint(path)):
+        for name, want in tensors.items():
+            assert back[name].shape == np.shape(want) and (np.asarray(back[name]) == want).all(), name
