@@ -240,7 +240,7 @@ def test_train_demo_tiny_end_to_end(tmp_path):
     # --retrain dflash: a new DFlash drafter against the same pair; everything else byte for byte
     again = tmp_path / "again"
     cmd = [sys.executable, str(ROOT / "tools" / "train_demo.py"), "--out", str(again), "--tiny", "--retrain", "dflash",
-           "--from", str(out), "--dflash-steps", "2", "--log-every", "1"]
+           "--from", str(out), "--dflash-steps", "2", "--log-every", "1", "--dflash-layers", "2", "--patience", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "[dflash] step 2/2 " in proc.stdout and "[target]" not in proc.stdout
@@ -248,7 +248,7 @@ def test_train_demo_tiny_end_to_end(tmp_path):
         for f in (out / sub).iterdir():
             assert (again / sub / f.name).read_bytes() == f.read_bytes(), f
         demo.verify_trained_dir(again, sub)
-    demo.verify_trained_dir(again, "dflash")
+    assert dflash.load(demo.verify_trained_dir(again, "dflash")).config.layer.num_hidden_layers == 2  # tiny: 1
     redone = json.loads((again / "metrics.json").read_text())
     assert redone["training"]["dflash"]["steps"] == 2 and str(out) in redone["retrained"]["dflash"]["argv"]
     assert redone["training"]["target"] == metrics["training"]["target"]

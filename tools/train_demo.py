@@ -304,6 +304,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train DFlash on this many corpus prompts continued by the target's greedy decoding "
                         "instead of corpus windows (0 = corpus windows; on the H200, 8192 did no better: "
                         "docs/benchmarks.md, \"Trained demo pair\")")
+    p.add_argument("--dflash-layers", type=int, default=None,
+                   help=f"DFlash draft layers (default {train_heads.FULL_HEADS['dflash']['layers']}, tiny "
+                        f"{train_heads.TINY_HEADS['dflash']['layers']}; a full-size layer adds ~1.7 MB to the "
+                        "shipped files)")
     p.add_argument("--patience", type=int, default=None,
                    help="validation checks without a new best before a stage stops early (default: 4, tiny 2)")
     p.add_argument("--retrain", choices=["dflash"], default=None,
@@ -361,7 +365,7 @@ def train_drafters(args, opts, models: dict, specials: dict, streams) -> dict:
     the EAGLE-3 head and the DFlash drafter (tools/train_heads.py). -> {"mtp": record, "eagle3" |
     "dflash": (config, head params, record)}."""
     cfg, params, record, config = models["target"]
-    sizes = train_heads.TINY_HEADS if args.tiny else train_heads.FULL_HEADS
+    sizes = head_sizes(args)
     pair, log_every = (streams["train"], streams["validation"]), args.log_every or (10 if args.tiny else 100)
     states = train_heads.target_states(cfg, params, jnp.dtype(opts["compute_dtype"]))
     common = dict(log_every=log_every)
@@ -384,6 +388,14 @@ def write_all(out: Path, models: dict, drafters: dict, tok, specials: dict) -> N
     for name, module in (("eagle3", eagle3), ("dflash", dflash)):
         head_cfg, params, _ = drafters[name]
         module.save(params, head_cfg, out / name, dtype="bfloat16")
+
+
+def head_sizes(args) -> dict:
+    """train_heads' head shapes for this run (--tiny, --dflash-layers)."""
+    sizes = {k: dict(v) for k, v in (train_heads.TINY_HEADS if args.tiny else train_heads.FULL_HEADS).items()}
+    if args.dflash_layers:
+        sizes["dflash"]["layers"] = args.dflash_layers
+    return sizes
 
 
 def load_pair(src: Path, old: dict) -> dict:
@@ -415,10 +427,9 @@ def retrain(args, opts: dict, t0: float) -> int:
     tok, specials, streams, corpus = prepare(args, opts, tok)
     models = load_pair(src, old)
     cfg, params = models["target"][:2]
-    sizes = train_heads.TINY_HEADS if args.tiny else train_heads.FULL_HEADS
     states = train_heads.target_states(cfg, params, jnp.dtype(opts["compute_dtype"]))
     dcfg, hp, record = train_heads.train_dflash(
-        cfg, params, states, (streams["train"], streams["validation"]), opts, sizes["dflash"],
+        cfg, params, states, (streams["train"], streams["validation"]), opts, head_sizes(args)["dflash"],
         specials[train_heads.MASK_TOKEN], seconds=args.dflash_seconds, steps=args.dflash_steps, seed=args.seed + 14,
         log_every=args.log_every or (10 if args.tiny else 100))
     for name in ("target", "draft", "eagle3"):
