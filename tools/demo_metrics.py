@@ -11,7 +11,7 @@
   drafter's input is exactly prompt + y, so teacher-forced passes over prompt + y decide every round:
   one forward for the draft model, the chain passes of the MTP and EAGLE-3 heads (pass j row t is
   draft j + 1 of the chain after row t - j, train.mtp_chain_hidden / eagle3.train_chain), and one
-  block per position and k for DFlash (its non-causal block depends on k).
+  block_size-row block per position for DFlash (the engine's block at every k; its first k rows).
 """
 
 from __future__ import annotations
@@ -204,16 +204,16 @@ def _eagle3_chain_argmax(hp, ecfg, embed, tapped, tokens, steps: int):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _dflash_block_argmax(dparams, dcfg, tied: bool, tapped, rows, block, start, block_len):
-    """Drafts [R, T-1] of blocks [R, T] (the first block_len [R] rows real) at positions start [R]
-    over the context before start of sequences rows [R] (taps tapped [P, Tc, n H])."""
-    logits = dflash.train_block_logits(dparams, dcfg, tied, tapped[rows], start, block, start, block_len)
+def _dflash_block_argmax(dparams, dcfg, tied: bool, tapped, rows, block, start):
+    """Drafts [R, T-1] of blocks [R, T] at positions start [R] over the context before start of
+    sequences rows [R] (taps tapped [P, Tc, n H])."""
+    logits = dflash.train_block_logits(dparams, dcfg, tied, tapped[rows], start, block, start)
     return jnp.argmax(logits[:, 1:], axis=-1)
 
 
 def dflash_drafts(target, head, tapped: np.ndarray, seq: np.ndarray, L0: int) -> dict:
-    """{k: [P, T, k] drafts of the k + 1-row block at each position L0 .. T - 1 of seq [P, T]};
-    tapped [P, T, n H] the drafter's taps. One executable: every block padded to block_size rows."""
+    """{k: [P, T, k] drafts at each position L0 .. T - 1 of seq [P, T]}: the first k rows of the
+    block_size-row block, as the engine drafts at every k; tapped [P, T, n H] the drafter's taps."""
     (cfg, params), (dcfg, hp) = target, head
     tapped = jnp.asarray(tapped)  # on the device once; each call gathers its rows there
     pairs = [(p, t) for p in range(len(seq)) for t in range(L0, seq.shape[1])]
@@ -224,10 +224,10 @@ def dflash_drafts(target, head, tapped: np.ndarray, seq: np.ndarray, L0: int) ->
         rows, pos = (np.asarray(x) for x in zip(*pairs[i:i + BLOCK_ROWS], strict=True))
         block = np.full((len(rows), dcfg.block_size), dcfg.mask_token_id, np.int32)
         block[:, 0] = seq[rows, pos]
+        drafted = np.asarray(_dflash_block_argmax(dparams, dcfg, cfg.tie_word_embeddings, tapped, jnp.asarray(rows),
+                                                  jnp.asarray(block), jnp.asarray(pos, jnp.int32)))
         for k, drafts in out.items():
-            drafts[rows, pos] = np.asarray(_dflash_block_argmax(
-                dparams, dcfg, cfg.tie_word_embeddings, tapped, jnp.asarray(rows), jnp.asarray(block),
-                jnp.asarray(pos, jnp.int32), jnp.full(len(rows), k + 1, jnp.int32)))[:, :k]
+            drafts[rows, pos] = drafted[:, :k]
     return out
 
 

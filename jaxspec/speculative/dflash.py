@@ -6,16 +6,16 @@ Context of position q (the target's taps f_q [n H] at q, n = len(target_layer_id
     c_q = hidden_norm(fc(f_q))                                [H], shared by every draft layer
     K_q^l = RoPE_q(k_norm(k_proj^l(c_q))),  V_q^l = v_proj^l(c_q)     cached at q in layer l's paged KV
 
-Block at position p (the last emitted token x_p, then k mask tokens; k + 1 rows at p .. p + k):
+Block at position p (the last emitted token x_p, then block_size - 1 mask tokens, at p .. p + block_size - 1):
 
     x = embed([x_p, m, .., m])                                 the target's embedding (m = mask_token_id)
     per layer l:  h = input_layernorm(x);  q, k, v = projections of h (QK-norm, RoPE at p + t)
                   x = x + o_proj(attn(q, [K_0..K_{p-1} | k], [V_0..V_{p-1} | v]))   non-causal: every
                   row sees the whole context and the whole block
                   x = x + mlp(post_attention_layernorm(x))
-    drafts d_{p+t} = argmax lm_head(norm(x_t)), t = 1 .. k      the target's LM head
+    drafts d_{p+t} = argmax lm_head(norm(x_t)), t = 1 .. k      the target's LM head; rows past k dropped
 
-The block's own K/V are written at p .. p + k and overwritten by context when those positions are
+The block's own K/V are written at p .. p + block_size - 1 and overwritten by context when those positions are
 verified. Admission writes the prompt's context from the prefill's taps; each round's commit writes
 the context of the verified tokens (x0 and the accepted drafts) from the verify's taps, then runs the
 block of the next round and keeps its drafts for the next round's propose.
@@ -213,16 +213,21 @@ class DFlashDrafter:
                 for (kp, vp), (k, v) in zip(kv, context_kv(dparams["head"], self.head, c, positions), strict=True)]
 
     def _block(self, dparams, kv, token, p, live, tables):
-        """The block [token, mask x k] at positions p .. p + k: drafts [R, k] for positions p + 1 .. p + k."""
+        """The block [token, mask x (block_size - 1)] at positions p ..: drafts [R, k] for positions
+        p + 1 .. p + k."""
         logits, kv = self.block_logits(dparams, kv, token, p, live, tables)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv
 
     @layers.weight_precision
     def block_logits(self, dparams, kv, token, p, live, tables):
-        """float32 logits [R, k, V] of the block's rows 1 .. k (token [R] at position p [R]) and the kv."""
-        R, T = token.shape[0], self.k + 1
+        """float32 logits [R, k, V] of the block's rows 1 .. k (token [R] at position p [R]) and the kv.
+        The block always has block_size rows, the shape the drafter was trained on; at k < block_size - 1
+        the rows past k are drafted and dropped (a shorter block is a different non-causal context:
+        on the demo pair it accepted 0.41 at the first position where the full block's first row
+        accepts 0.59, docs/benchmarks.md)."""
+        R, T = token.shape[0], self.head.block_size
         nv = jnp.where(live, jnp.clip(self.max_model_len - p, 0, T), 0)  # rows below max_model_len
-        ids = jnp.concatenate([token[:, None], jnp.full((R, self.k), self.head.mask_token_id, jnp.int32)], axis=1)
+        ids = jnp.concatenate([token[:, None], jnp.full((R, T - 1), self.head.mask_token_id, jnp.int32)], axis=1)
         positions = p[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         kv = list(kv)
         # non-causal: each of the T rows runs as a one-token query that sees keys 0 .. p + nv - 1
@@ -238,7 +243,7 @@ class DFlashDrafter:
 
         x = dparams["embed"][ids]
         out = block_hidden(dparams["head"], self.head, x, positions, attend)
-        return head_logits(dparams, self.tied, out[:, 1:]), kv
+        return head_logits(dparams, self.tied, out[:, 1:self.k + 1]), kv
 
     def _context_then_block(self, dparams, kv, taps, tokens, start, n, live, tables):
         """Context of rows start .. start + n - 1, then the block after them: its first token is
@@ -270,22 +275,18 @@ class DFlashDrafter:
 
 # ---- dense forward (training, offline checks) --------------------------------------------------------
 
-def train_block_logits(dparams: dict, cfg: DFlashConfig, tied: bool, taps, ctx_len, block_tokens, block_start,
-                       block_len=None):
+def train_block_logits(dparams: dict, cfg: DFlashConfig, tied: bool, taps, ctx_len, block_tokens, block_start):
     """float32 logits [B, T, V] of blocks over a dense context: taps [B, Tc, n H] at positions 0 ..
     Tc - 1 of which the first ctx_len [B] are context, block_tokens [B, T] at positions block_start
     [B] + t (row 0 the last known token, then mask tokens; row t >= 1 predicts the token at
-    block_start + t). block_len [B] (default T): the rows t < block_len form the block, later rows
-    are padding that no row attends to (the engine's shorter block of k + 1 rows at k < T - 1).
-    dparams as draft_params gives them. Differentiable; nothing here jits."""
+    block_start + t). dparams as draft_params gives them. Differentiable; nothing here jits."""
     hp = dparams["head"]
     B, Tc = taps.shape[:2]
     T = block_tokens.shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(Tc, dtype=jnp.int32), (B, Tc))
     positions = block_start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     ctx = context_kv(hp, cfg, context(hp, cfg, taps), ctx_pos)
-    rows = jnp.arange(T)[None, :] < (T if block_len is None else block_len[:, None])
-    visible = jnp.concatenate([ctx_pos < ctx_len[:, None], jnp.broadcast_to(rows, (B, T))], axis=1)  # [B, Tc + T]
+    visible = jnp.concatenate([ctx_pos < ctx_len[:, None], jnp.ones((B, T), bool)], axis=1)  # [B, Tc + T]
     lc = cfg.layer
     group = lc.num_attention_heads // lc.num_key_value_heads
 

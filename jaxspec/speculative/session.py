@@ -463,7 +463,7 @@ class DFlashSession(_TapSession):
 
     @property
     def lookahead(self) -> int:
-        return self.drafter.k + 1  # the block after the verified tokens reaches k + 1 past the verify span
+        return self.drafter.head.block_size  # the block after the verified tokens reaches this far past the span
 
     def reserve(self, req, num_tokens: int) -> None:
         """The loop caps a request's pages at its last position, but a block that drafts for a

@@ -130,23 +130,3 @@ def test_mtp_chain_equals_chain_drafting():
         for m in (0, T - 1 - j):
             want = _growing(rows, hidden, tokens, m, j)
             np.testing.assert_allclose(chain[j][:, m + j], want, rtol=1e-5, atol=1e-5)
-
-
-def test_dflash_padded_block_equals_the_shorter_block(tmp_path):
-    """block_len: a block of k + 1 rows padded to block_size rows drafts as the k + 1-row block does
-    (the engine's block at k < block_size - 1); without it the padding rows would shape the drafts."""
-    head = dflash.load(write_dflash(tmp_path / "d", hidden=H, vocab=V, mask_token_id=V - 1, block_size=8))
-    rng = np.random.default_rng(2)
-    dparams = {"head": head.params, "embed": jnp.asarray(rng.standard_normal((V, H)), jnp.float32)}
-    taps = jnp.asarray(rng.standard_normal((2, T, 2 * H)), jnp.float32)
-    ctx, block = jnp.asarray([4, 7], jnp.int32), np.full((2, 8), V - 1, np.int32)
-    block[:, 0] = [3, 5]
-
-    @jax.jit
-    def run(block, block_len=None):
-        return dflash.train_block_logits(dparams, head.config, True, taps, ctx, block, ctx, block_len)
-
-    short = run(jnp.asarray(block[:, :3]))
-    np.testing.assert_allclose(run(jnp.asarray(block), jnp.asarray([3, 3], jnp.int32))[:, :3], short, rtol=1e-5,
-                               atol=1e-5)
-    assert not np.allclose(run(jnp.asarray(block))[:, :3], short, atol=1e-3)

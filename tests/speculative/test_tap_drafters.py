@@ -100,7 +100,8 @@ def _eagle3_drafts(model, head, taps, seq, m: int, k: int) -> list[int]:
 
 
 def _dflash_drafts(model, head, taps, seq, m: int, k: int, block: int) -> list[int]:
-    """The first k drafts of a block of `block` rows [seq[m], mask ..] at position m over context 0..m-1."""
+    """The first k drafts of a block of `block` rows [seq[m], mask ..] at position m over context 0..m-1
+    (the engine drafts with the head's block_size rows at every k)."""
     dparams = dflash.draft_params(head, model.params, jnp.float32)
     ids = np.full((1, block), head.config.mask_token_id, np.int32)
     ids[0, 0] = seq[m]
@@ -146,13 +147,13 @@ def test_greedy_equals_plain_and_acceptance_matches_offline(taps_setup, method):
     result = jaxspec.generate(model, prompts, max_new_tokens=NEW, speculative=spec)
     assert result.token_ids == [r[:NEW] for r in reference]
     assert result.stats.drafted == K * result.stats.verify_steps
-    check_against_offline(model, result, spec, prompts, reference, block=K + 1)
+    check_against_offline(model, result, spec, prompts, reference, block=K_MAX + 1)  # the head's block_size
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_pad_to_max_equals_plain_and_acceptance_matches_offline(taps_setup, method):
-    """k_mode="pad_to_max": k = 2 runs the K_MAX executable (a K_MAX chain, or a block of K_MAX + 1
-    rows) with a masked tail; the verified drafts are the first 2 of those."""
+    """k_mode="pad_to_max": k = 2 runs the K_MAX executable (a K_MAX chain, or the DFlash block) with a
+    masked tail; the verified drafts are the first 2 of those."""
     path, _, dirs, prompts, reference = taps_setup
     padded = _target(path, k_mode="pad_to_max")
     spec = _spec(dirs, method, 2)
