@@ -381,3 +381,21 @@ def test_throughput_profiled_call_reports_busy_time_and_kernels():
     assert prof["prefill_calls"] >= 2 and prof["kernels"] > 0 and len(prof["top"]) == 3
     assert 0 < prof["device_busy_s"] and prof["wall_s"] > 0
     assert prof["top"][0]["ms"] >= prof["top"][-1]["ms"] and all(t["calls"] >= 1 for t in prof["top"])
+
+
+def test_load_paths_fresh_probes_each_phase_in_new_processes(tmp_path):
+    """tools/load_paths.py --fresh: two new processes per pool setting, each timing the backend's
+    start, its first put, the reads, the puts and jaxspec's restore of a saved params file."""
+    from jaxspec import saved
+
+    path = saved.save_params({"embed": np.ones((16, 8), np.float32), "layers": [{"w": np.eye(4, dtype=np.float32)}]},
+                             tmp_path / "ck")
+    out = tmp_path / "fresh.json"
+    subprocess.run([sys.executable, str(REPO / "tools" / "load_paths.py"), "--fresh", str(path), str(out)], check=True,
+                   capture_output=True, timeout=600)
+    lines = json.loads(out.read_text())["fresh"]
+    assert [line["preallocate"] for line in lines] == ["true", "true", "false", "false"]
+    for line in lines:
+        assert line["file_bytes"] == path.stat().st_size
+        assert all(line[k] > 0 for k in ("backend_start_s", "first_put_s", "read_8_threads_s", "put_8_threads_s",
+                                         "put_again_8_threads_s", "jaxspec_restore_s"))

@@ -2,6 +2,7 @@
 where a warm start's weight load goes on a host (docs/benchmarks.md, "Compile and start-up").
 
 usage: python tools/load_paths.py PARAMS.safetensors OUT.json   (e.g. a jaxspec.save directory's file)
+       python tools/load_paths.py --fresh PARAMS.safetensors OUT.json
 
 Variants, in this order (the page cache warms as they go, so later reads see a hotter file): one
 sequential read; jaxspec's own restore (saved.restore_params); slab reads of the whole file into one
@@ -9,6 +10,12 @@ buffer with 1-16 threads; device_put of the buffer's tensor views (serial, threa
 call); the whole buffer as one array; host -> pinned host -> device; memory-mapped views put by 8
 threads; a read into fresh memory and a put per tensor by 8 and 16 threads. Prints seconds and GB/s
 per variant and writes them as JSON.
+
+--fresh: what a start-up pays, each probe in a new process (twice), as a warm start sees it: the
+backend's start (jax.devices()), its first 16-byte device_put (where the backend reserves its memory
+pool unless XLA_PYTHON_CLIENT_PREALLOCATE=false), positioned reads of every tensor into fresh memory
+(8 threads), their device_put by 8 threads (first and second time in the process), and jaxspec's own
+restore after the backend start. One JSON line per process in OUT.json's "fresh" list.
 """
 
 from __future__ import annotations
@@ -70,7 +77,8 @@ class Bench:
             os.close(fd)
         return buf
 
-    def read_and_put(self, v: dict) -> jax.Array:
+    def read_and_put(self, v: dict, put: bool = True):
+        """One tensor read into fresh memory, then put on the default device (put=False: the host array)."""
         lo, hi = v["data_offsets"]
         raw = np.empty(hi - lo, np.uint8)
         fd = os.open(self.path, os.O_RDONLY)
@@ -78,7 +86,8 @@ class Bench:
             read_at(fd, raw, self.start + lo)
         finally:
             os.close(fd)
-        return jax.device_put(weights.tensor_views(raw, {"t": dict(v, data_offsets=[0, hi - lo])})["t"])
+        host = weights.tensor_views(raw, {"t": dict(v, data_offsets=[0, hi - lo])})["t"]
+        return jax.device_put(host) if put else host
 
 
 def sequential_read(path: str) -> None:
@@ -92,7 +101,48 @@ def threaded(fn, items, threads: int) -> list:
         return list(pool.map(fn, items))
 
 
+def probe(path: str) -> dict:
+    """One fresh process's start-up phases (--fresh), seconds."""
+    b, out = Bench(path), {}
+
+    def timed(name, fn):
+        start = time.perf_counter()
+        result = jax.block_until_ready(fn())
+        out[name] = round(time.perf_counter() - start, 4)
+        return result
+
+    timed("backend_start_s", jax.devices)
+    timed("first_put_s", lambda: jax.device_put(np.zeros(4, np.float32)))
+    host = timed("read_8_threads_s", lambda: threaded(lambda v: b.read_and_put(v, put=False), b.items, 8))
+    for n in ("put_8_threads_s", "put_again_8_threads_s"):
+        for a in jax.tree_util.tree_leaves(timed(n, lambda: threaded(jax.device_put, host, 8))):
+            a.delete()
+    timed("jaxspec_restore_s", lambda: saved.restore_params(Path(path).parent, jnp.bfloat16))
+    return {"file_bytes": b.size, "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"), **out}
+
+
+def fresh(path: str, runs: int = 2) -> list[dict]:
+    """probe() in `runs` new processes for each setting of the backend's pool reservation."""
+    import subprocess
+
+    lines = []
+    for preallocate in ("true", "false"):
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE=preallocate)
+        for _ in range(runs):
+            proc = subprocess.run([sys.executable, __file__, "--probe", path], env=env, capture_output=True,
+                                  text=True, check=True)
+            lines.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(json.dumps(lines[-1]), flush=True)
+    return lines
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--probe"] and len(argv) == 2:
+        print(json.dumps(probe(argv[1])))
+        return 0
+    if argv[:1] == ["--fresh"] and len(argv) == 3:
+        Path(argv[2]).write_text(json.dumps({"fresh": fresh(argv[1])}, indent=1))
+        return 0
     if len(argv) != 2:
         raise SystemExit(__doc__)
     b = Bench(argv[0])
