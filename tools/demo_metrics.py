@@ -219,16 +219,15 @@ def dflash_drafts(target, head, tapped: np.ndarray, seq: np.ndarray, L0: int) ->
     pairs = [(p, t) for p in range(len(seq)) for t in range(L0, seq.shape[1])]
     pairs += [pairs[-1]] * (-len(pairs) % BLOCK_ROWS)
     dparams = {"head": hp, "embed": params["embed"], **({"lm_head": params["lm_head"]} if "lm_head" in params else {})}
-    out = {k: np.zeros((*seq.shape, k), np.int32) for k in DFLASH_K_VALUES}
+    drafts = np.zeros((*seq.shape, dcfg.block_size - 1), np.int32)
     for i in range(0, len(pairs), BLOCK_ROWS):
         rows, pos = (np.asarray(x) for x in zip(*pairs[i:i + BLOCK_ROWS], strict=True))
         block = np.full((len(rows), dcfg.block_size), dcfg.mask_token_id, np.int32)
         block[:, 0] = seq[rows, pos]
-        drafted = np.asarray(_dflash_block_argmax(dparams, dcfg, cfg.tie_word_embeddings, tapped, jnp.asarray(rows),
-                                                  jnp.asarray(block), jnp.asarray(pos, jnp.int32)))
-        for k, drafts in out.items():
-            drafts[rows, pos] = drafted[:, :k]
-    return out
+        drafts[rows, pos] = np.asarray(_dflash_block_argmax(dparams, dcfg, cfg.tie_word_embeddings, tapped,
+                                                            jnp.asarray(rows), jnp.asarray(block),
+                                                            jnp.asarray(pos, jnp.int32)))
+    return {k: drafts[..., :k] for k in DFLASH_K_VALUES}
 
 
 def batched(fn, seq: np.ndarray, batch: int, *arrays) -> np.ndarray:

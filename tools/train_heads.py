@@ -221,11 +221,7 @@ def rollouts(cfg: ModelConfig, params: dict, stream: np.ndarray, count: int, wid
     from demo_metrics import bf16_round, greedy_continue
 
     prompt = width // 2
-    if seed is None:
-        prompts = validation_windows(stream, count, prompt)
-    else:
-        starts = np.random.default_rng(seed).integers(0, len(stream) - prompt, size=count)
-        prompts = stream[starts[:, None] + np.arange(prompt)]
+    prompts = validation_windows(stream, count, prompt) if seed is None else next(batches(stream, count, prompt, seed))
     return greedy_continue((cfg, bf16_round(params)), prompts, width - prompt, batch)
 
 
