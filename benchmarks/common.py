@@ -309,23 +309,28 @@ def median(values):
     return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
 
 
-def measure_bandwidth(nbytes: int = 4 * GiB, repeats: int = 10) -> dict:
+def measure_bandwidth(nbytes: int = 4 * GiB, repeats: int = 10, pipeline: int = 4) -> dict:
     """HBM bandwidth, honestly: the best of several XLA passes over an `nbytes` array, each the
-    median of `repeats` samples timed around a blocking call. Copies count bytes read plus written;
-    reductions count bytes read. On an H200 (docs/benchmarks.md, bandwidth probe) a uint32 copy read
-    3.70 TB/s, a bfloat16 row sum 3.61, a float32 column sum 3.15, a float32 copy 2.93, and a flat
-    jit(jnp.sum) ~2.4: a floor computed from the wrong probe flatters every kernel by up to 1.6x.
-    Every reading is recorded; the floor uses the largest."""
+    median of `repeats` samples; a sample is `pipeline` calls and one wait, divided by `pipeline`, so
+    a call's dispatch and readback do not count as transfer time. Copies count bytes read plus
+    written; reductions and the matrix-vector product (a [2, K] x [K, N] bfloat16 matmul, the shape
+    of a decode step's projections) count bytes read. On an H200 (docs/benchmarks.md, bandwidth
+    probe) a uint32 copy read 3.70 TB/s, a bfloat16 row sum 3.61, a float32 column sum 3.15 and a
+    flat jit(jnp.sum) ~2.4, while a decode step's LM-head matmul read its weights at ~4.4: a floor
+    computed from the wrong probe flatters every kernel. Every reading is recorded; the floor uses
+    the largest."""
     import jax
     import jax.numpy as jnp
 
-    def timed(fn, a) -> float:
-        block(fn(a))
+    def timed(fn, *a) -> float:
+        block(fn(*a))
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            block(fn(a))
-            samples.append(time.perf_counter() - start)
+            out = [fn(*a) for _ in range(pipeline)]
+            block(out)
+            samples.append((time.perf_counter() - start) / pipeline)
+            del out
         return median(samples)
 
     readings, size = {}, 0
@@ -338,14 +343,20 @@ def measure_bandwidth(nbytes: int = 4 * GiB, repeats: int = 10) -> dict:
         if dtype != jnp.uint32:
             readings[f"column_sum_{name}"] = size / timed(jax.jit(lambda a: jnp.sum(a, axis=0, dtype=jnp.float32)), x)
             readings[f"row_sum_{name}"] = size / timed(jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.float32)), x)
+        if dtype == jnp.bfloat16:  # weights read by a two-row matmul, as a decode step reads its projections
+            v = block(jnp.ones((2, x.shape[0]), dtype))
+            readings["matvec_bfloat16"] = size / timed(jax.jit(lambda u, a: u @ a), v, x)
+            w = block(jnp.ones((2, x.shape[1]), dtype))  # and with the long axis as the output (an LM head)
+            readings["matvec_rows_bfloat16"] = size / timed(jax.jit(lambda u, a: a @ u.T), w, x)
         del x
     best = max(readings.values())
     return {"bytes": size, "bytes_per_s": best, "tb_per_s": best / 1e12,
             "copy_tb_per_s": max(v for k, v in readings.items() if k.startswith("copy")) / 1e12,
-            "reduce_tb_per_s": max(v for k, v in readings.items() if "sum" in k) / 1e12,
+            "reduce_tb_per_s": max(v for k, v in readings.items() if "sum" in k or "matvec" in k) / 1e12,
             "readings_tb_per_s": {k: v / 1e12 for k, v in readings.items()},
-            "method": "best of XLA copies (float32, uint32; read + write bytes) and row / column sums "
-                      "(float32, bfloat16) over random arrays, median of repeats each"}
+            "method": f"best of XLA copies (float32, uint32; read + write bytes), row / column sums (float32, "
+                      f"bfloat16) and bfloat16 two-row matmuls each way over random arrays; median of "
+                      f"{repeats} samples of {pipeline} pipelined calls each"}
 
 
 def measure_matmul(n: int = 8192, repeats: int = 10) -> dict:

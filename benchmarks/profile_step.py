@@ -46,6 +46,9 @@ def parse(argv=None):
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--traced", type=int, default=10, help="calls of each step inside the trace")
     p.add_argument("--top", type=int, default=12, help="kernels listed per step")
+    p.add_argument("--sequence", action="store_true",
+                   help="also keep every kernel of one traced call in launch order (name, microseconds): "
+                        "the per-layer anatomy")
     p.add_argument("--trace-dir", default=None, help="keep the raw traces here (default: a temporary directory)")
     p.add_argument("--prefill-chunks", default="",
                    help="also profile the engine's prefill executable of one request at these chunk sizes "
@@ -120,6 +123,7 @@ def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
         common.block(out)
     events = _kernel_events(trace_dir)
     per = args.traced * steps
+    sequence = call_sequence(events, args.traced) if args.sequence else None
     busy_ms = sum(d for _, _, d in events) / 1e6 / per
     span_ms = ((max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / per
                if events else None)
@@ -128,7 +132,16 @@ def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
             "latency_ms": timing["latency"]["median_ms"] / steps,
             "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / per,
             "top": [{"name": n[:160], "ms_per_step": t / 1e6 / per, "calls_per_step": c / per}
-                    for n, t, c in top_kernels(events, args.top)]}
+                    for n, t, c in top_kernels(events, args.top)]} | ({"sequence": sequence} if sequence else {})
+
+
+def call_sequence(events: list[tuple[str, int, int]], calls: int) -> list[list]:
+    """[name, microseconds] of the kernels of the second traced call (the first may carry one-off
+    work), in start order; every call launches the same kernels, so a call is len(events) / calls."""
+    ordered = sorted(events, key=lambda e: e[1])
+    n = len(ordered) // max(calls, 1)
+    pick = ordered[n:2 * n] if calls > 1 else ordered
+    return [[name[:120], round(dur / 1e3, 3)] for name, _, dur in pick]
 
 
 def main(argv=None) -> int:
