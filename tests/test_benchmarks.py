@@ -184,6 +184,26 @@ def test_profile_step_rows_keeps_the_matching_steps():
         select_rows(plan, re.compile("prefill"))
 
 
+def test_profile_step_sequence_is_the_second_call_in_launch_order():
+    from benchmarks.profile_step import call_sequence
+
+    # two calls of three kernels each, listed out of start order (trace lines interleave streams)
+    events = [("b", 20, 2000), ("a", 0, 1000), ("c", 30, 500), ("a2", 100, 1500), ("c2", 130, 250),
+              ("b2", 120, 3000)]
+    assert call_sequence(events, 2) == [["a2", 1.5], ["b2", 3.0], ["c2", 0.25]]
+    assert call_sequence(events[:3], 1) == [["a", 1.0], ["b", 2.0], ["c", 0.5]]
+
+
+def test_bandwidth_probe_reads_every_pass():
+    from benchmarks.common import measure_bandwidth
+
+    bw = measure_bandwidth(2**20, repeats=2, pipeline=2)
+    assert set(bw["readings_tb_per_s"]) == {"copy_float32", "copy_uint32", "column_sum_float32", "row_sum_float32",
+                                            "column_sum_bfloat16", "row_sum_bfloat16", "matvec_bfloat16",
+                                            "matvec_rows_bfloat16"}
+    assert bw["tb_per_s"] == max(bw["readings_tb_per_s"].values()) > 0
+
+
 class _FakeDevice:
     """A device that runs each call `step_s` after the previous one ends and whose result reaches the
     host `readback_s` later; dispatch is free."""
