@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,23 @@ def linear(x, w, b=None):
     """x [..., in] @ w [in, out] (+ b [out])."""
     y = x @ w
     return y if b is None else y + b
+
+
+# A projection to a handful of columns (the GDN's b and a, one per value head) over at most this many
+# rows runs as a float32 multiply-and-sum rather than a matmul. As dots, XLA merges the two into one
+# whose weights it concatenates on every call, and its gemm for the [2, 2048] x [2048, 32] product of
+# a Qwen3.5-2B decode step took 4.6-5.3 us on an H200; as two reductions they take ~7 us of two
+# kernels where the dot path took ~9 us of four (docs/benchmarks.md, "Kernels per layer").
+NARROW_ROWS = 64
+NARROW_COLUMNS = 64
+
+
+def narrow_linear(x, w):
+    """x [..., in] @ w [in, out] for a small `out`; short inputs (static) take the reduction form,
+    rounded to the matmul's output dtype so the two forms agree up to summation order."""
+    if math.prod(x.shape[:-1]) > NARROW_ROWS or w.shape[-1] > NARROW_COLUMNS:
+        return x @ w
+    return jnp.sum(x[..., :, None].astype(F32) * w.astype(F32), axis=-2).astype(jnp.result_type(x.dtype, w.dtype))
 
 
 def mlp(p, x):
@@ -227,8 +245,8 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
     HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mixed = x @ p["qkv"]  # [R, T, conv_dim], channels grouped per key head (split_qkv)
     z = (x @ p["z"]).reshape(R, T, HV, dv)
-    b = x @ p["b"]  # [R, T, HV]
-    a = x @ p["a"]
+    b = narrow_linear(x, p["b"])  # [R, T, HV]
+    a = narrow_linear(x, p["a"])
     has_state = batch.start_pos > 0
     channels, heads4, heads3 = (None, None, "gdn_heads"), (None, None, "gdn_heads", None), (None, None, "gdn_heads")
     conv_update = sharding.local(functools.partial(ops.conv_update, mode=mode, kernels=kernels), cfg,
