@@ -2,21 +2,24 @@
 
 Same semantics as `reference.paged_attention`. One program per (request, kv head, KV split). The
 span's T query tokens times the GQA group's G = nH // nKV query heads share one kv head, so they
-are packed into one block of `M = pad16(T * G)` rows (row i = token i // G, head i % G) and each
-K/V block is read once for all of them. A request's keys are cut into blocks of
+are packed into one block of `M = pad16(T * G)` rows (row i = token i // G, head i % G), gathered
+by the kernel from q as it is (`[R * T * nH, D]`, a free reshape), and each K/V block is read once
+for all of them. A request's keys are cut into blocks of
 `pages_per_block * page_size` keys, and its live blocks (up to start_pos + num_valid, known only
 at run time) are shared out evenly between the `num_splits` programs of that (request, kv head):
 at batch 1 a 512-token context then runs on dozens of programs instead of nKV. Each program runs
 an online softmax in float32 over its blocks and writes its partial result: the running max m,
-the sum l of exp(s - m) and the unnormalised accumulator acc = sum exp(s - m) v. `combine_splits`
-merges them (rescaling each split by exp(m_split - m_max)). A split with no live block writes
-m = MASK_VALUE, l = 0, acc = 0 and drops out of the merge. With `num_splits = 1` the program
-normalises and writes the output itself (no partials, no merge): the one-pass kernel.
+the sum l of exp(s - m) and the unnormalised accumulator acc = sum exp(s - m) v. A second kernel
+(`_merge_kernel`, whose XLA form is `combine_splits`) merges them, rescaling each split by
+exp(m_split - m_max), and stores each row straight to its place in the `[R, T, nH, D]` output. A
+split with no live block writes m = MASK_VALUE, l = 0, acc = 0 and drops out of the merge. With
+`num_splits = 1` the program normalises and stores the output itself (no partials, no merge): the
+one-pass kernel.
 
 The causal mask is per row (row i sees keys `<= start_pos + i // G`). Head dims that are not a
-power of two (Triton tensor sizes) are zero-padded to `Dp`: q in the wrapper (it is small), K and V
-on load inside the kernel (a masked load; the cache stays unpadded and no page is copied). Zero
-columns of q and k leave q.k unchanged, zero columns of v give zero output columns, sliced off.
+power of two (Triton tensor sizes) are zero-padded to `Dp` on load inside the kernel (masked loads
+of q, K and V; the cache stays unpadded and no page is copied). Zero columns of q and k leave q.k
+unchanged, zero columns of v give zero output columns, which are never stored.
 The pools are read through a free reshape to `[N * page_size, nKV * D]`: key rows are gathered by
 index (block table -> row), the kv head is a column offset.
 
@@ -91,23 +94,37 @@ def _split_range(n_blocks, split, num_splits: int):
     return first, jnp.minimum(first + per_split, n_blocks)
 
 
+def _span_rows(span: int, group: int, n_heads: int, m_rows: int, n_rows: int):
+    """Rows of q / o flattened to `[n_rows = R * T * nH, D]` that the packed rows of program
+    (request i, kv head h) stand for (packed row j = token j // G, head h * G + j % G), and which
+    packed rows are real. The rest pad M up to a power of two: they point one past the end (masked,
+    so never read or written; the interpreter drops such a scatter, where a clamped index would
+    write a stale row over a real one) and read zeros."""
+    row = jnp.arange(m_rows, dtype=jnp.int32)
+    real = row < span * group
+    flat = (pl.program_id(0) * span + row // group) * n_heads + pl.program_id(1) * group + row % group
+    return jnp.where(real, flat, n_rows), real
+
+
 def _attention_kernel(
-    q_ref,  # [M, Dp]                     packed span rows of one (request, kv head), head dim padded
+    q_ref,  # [R * T * nH, D]             the span's queries, unpacked (a free reshape of q)
     k_ref,  # [N * page_size, nKV * D]    the whole K pool, one row per cached token
     v_ref,  # [N * page_size, nKV * D]    the whole V pool
     bt_ref,  # [P_pad] int32              this request's block table
     start_ref,  # [1] int32               start_pos of this request
     valid_ref,  # [1] int32               num_valid of this request
-    *out_refs,  # one pass: o [M, Dp]; split: acc [M, Dp] f32, m [M] f32, l [M] f32
+    *out_refs,  # one pass: o [R * T * nH, D] (unpacked); split: acc [M, Dp] f32, m [M] f32, l [M] f32
     group: int,
     span: int,
     head_dim: int,
+    m_rows: int,
+    n_heads: int,
     page_size: int,
     pages_per_block: int,
     num_splits: int,
     scale: float,
 ):
-    m_rows, dp = q_ref.shape
+    dp = padded_head_dim(head_dim)
     block_k = pages_per_block * page_size
     start, n_valid = start_ref[0], valid_ref[0]
 
@@ -128,7 +145,9 @@ def _attention_kernel(
             return ref[rows[:, None], cols[None, :]]
         return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=(col < head_dim)[None, :], other=0.0)
 
-    q = q_ref[...]
+    q_rows, real = _span_rows(span, group, n_heads, m_rows, q_ref.shape[0])
+    d_ok = (col < head_dim)[None, :]
+    q = pltriton.load(q_ref.at[q_rows[:, None], col[None, :]], mask=real[:, None] & d_ok, other=0.0)  # [M, Dp]
 
     def body(j, carry):
         acc, m_prev, l_prev = carry  # [M, Dp], [M], [M] float32
@@ -155,7 +174,8 @@ def _attention_kernel(
     if num_splits == 1:
         (o_ref,) = out_refs
         # Rows that saw no key (inert rows) have denom = 0 and acc = 0: write zeros, not NaN.
-        o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
+        o = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[q_rows[:, None], col[None, :]], o, mask=real[:, None] & d_ok)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
@@ -176,20 +196,43 @@ def combine_splits(
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _pack_queries(q: jax.Array, nkv: int, m_rows: int, dp: int) -> jax.Array:
-    """`[R, T, nH, D]` -> `[R, nKV, M, Dp]`: row t * G + g holds token t, head kv * G + g."""
-    r, t, nh, d = q.shape
-    g = nh // nkv
-    packed = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, t * g, d)
-    return jnp.pad(packed, ((0, 0), (0, 0), (0, m_rows - t * g), (0, dp - d)))
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, group: int, span: int, head_dim: int, n_heads: int):
+    """combine_splits for one (request, kv head) and `block_d` columns, stored straight into the
+    unpacked output: acc_ref [S, M, block_d], m_ref / l_ref [S, M], o_ref [R * T * nH, D]."""
+    n_splits, m_rows, block_d = acc_ref.shape
+    m = m_ref[...]
+    w = jnp.exp(m - m.max(axis=0)[None, :])  # [S, M]; empty splits: acc = l = 0
+    total = (w * l_ref[...]).sum(axis=0)  # [M]
+    out = (w[:, :, None] * acc_ref[...]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[:, None]  # [M, block_d]
+    rows, real = _span_rows(span, group, n_heads, m_rows, o_ref.shape[0])
+    cols = pl.program_id(2) * block_d + jnp.arange(block_d, dtype=jnp.int32)
+    pltriton.store(o_ref.at[rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
+                   mask=real[:, None] & (cols < head_dim)[None, :])
 
 
-def _unpack_rows(o: jax.Array, span: int, nh: int, d: int) -> jax.Array:
-    """`[R, nKV, M, Dp]` -> `[R, T, nH, D]`, dropping the pad rows and pad columns."""
-    r, nkv = o.shape[:2]
-    g = nh // nkv
-    o = o[:, :, : span * g, :d].reshape(r, nkv, span, g, d)
-    return o.transpose(0, 2, 1, 3, 4).reshape(r, span, nh, d)
+# Elements of one merge program's [S, M, block_d] float32 tile (16 KiB): block_d shrinks as the
+# splits and rows grow, so the tile stays in registers.
+MERGE_TILE = 4096
+
+
+def _merge_splits(partials, out_shape, *, group, span, head_dim, interpret, num_warps):
+    """The split partials [R, nKV, S, M, Dp] (S a power of two) -> the output [R * T * nH, D] in
+    one launch (the XLA form of combine_splits, a transpose and a slice took three)."""
+    acc, m, denom = partials
+    r, nkv, n_splits, m_rows, dp = acc.shape
+    block_d = min(dp, max(1, pl.next_power_of_2(MERGE_TILE // (n_splits * m_rows) + 1) // 2))
+    tile = pl.BlockSpec((None, None, n_splits, m_rows), lambda i, h, c: (i, h, 0, 0))
+    call = pl.pallas_call(
+        functools.partial(_merge_kernel, group=group, span=span, head_dim=head_dim, n_heads=nkv * group),
+        grid=(r, nkv, dp // block_d),
+        in_specs=[pl.BlockSpec((None, None, n_splits, m_rows, block_d), lambda i, h, c: (i, h, 0, 0, c)), tile, tile],
+        out_specs=pl.BlockSpec(out_shape.shape, lambda i, h, c: (0, 0)),
+        out_shape=out_shape,
+        compiler_params=_triton_compiler_params(num_warps, num_stages=1),
+        interpret=interpret,
+        name="paged_span_attention_merge",
+    )
+    return call(acc, m, denom)
 
 
 def _check_shapes(q, k_pages, pages_per_block):
@@ -226,9 +269,15 @@ MAX_SPLITS = 64
 
 def default_num_splits(rows: int, nkv: int, n_slots: int, pages_per_block: int, sm_count: int | None = None) -> int:
     """Static KV splits for `rows` requests of `n_slots` block-table slots: enough programs
-    (rows * nKV * splits) to fill the GPU twice over, at most one per block of the longest row."""
+    (rows * nKV * splits) to fill the GPU about twice over, at most one per block of the longest
+    row, rounded down to a power of two."""
     want = pl.cdiv(PROGRAMS_PER_SM * (sm_count or _sm_count()), rows * nkv)
-    return max(1, min(want, pl.cdiv(n_slots, pages_per_block), MAX_SPLITS))
+    return _pow2_floor(max(1, min(want, pl.cdiv(n_slots, pages_per_block), MAX_SPLITS)))
+
+
+def _pow2_floor(n: int) -> int:
+    """The largest power of two <= n (n >= 1): the merge tiles the split axis whole."""
+    return 1 << (n.bit_length() - 1)
 
 
 def paged_attention_pallas(
@@ -264,11 +313,16 @@ def paged_attention_pallas(
     dp = padded_head_dim(d)
     # Pad the table to whole blocks with the null page; those keys lie past kv_len (masked).
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -n_slots % pages_per_block)))
+    # The partials' split axis is a power of two (the merge takes it whole); programs past
+    # num_splits own no block and write empty partials, which merge as nothing.
+    grid_splits = pl.next_power_of_2(num_splits)
     kernel = functools.partial(
         _attention_kernel,
         group=nh // nkv,
         span=span,
         head_dim=d,
+        m_rows=m_rows,
+        n_heads=nh,
         page_size=page_size,
         pages_per_block=pages_per_block,
         num_splits=num_splits,
@@ -276,10 +330,11 @@ def paged_attention_pallas(
     )
     flat = (n_pages * page_size, nkv * d)
     pool_spec = pl.BlockSpec(flat, lambda i, h, s: (0, 0))
-    rows_spec = pl.BlockSpec((None, None, m_rows, dp), lambda i, h, s: (i, h, 0, 0))
+    unpacked = jax.ShapeDtypeStruct((r * span * nh, d), q.dtype)  # q and o as rows, a free reshape
+    unpacked_spec = pl.BlockSpec(unpacked.shape, lambda i, h, s: (0, 0))
     if num_splits == 1:
-        out_specs = rows_spec
-        out_shape = jax.ShapeDtypeStruct((r, nkv, m_rows, dp), q.dtype)
+        out_specs = unpacked_spec
+        out_shape = unpacked
     else:
         out_specs = [
             pl.BlockSpec((None, None, None, m_rows, dp), lambda i, h, s: (i, h, s, 0, 0)),  # acc
@@ -287,15 +342,15 @@ def paged_attention_pallas(
             pl.BlockSpec((None, None, None, m_rows), lambda i, h, s: (i, h, s, 0)),  # l
         ]
         out_shape = [
-            jax.ShapeDtypeStruct((r, nkv, num_splits, m_rows, dp), jnp.float32),
-            jax.ShapeDtypeStruct((r, nkv, num_splits, m_rows), jnp.float32),
-            jax.ShapeDtypeStruct((r, nkv, num_splits, m_rows), jnp.float32),
+            jax.ShapeDtypeStruct((r, nkv, grid_splits, m_rows, dp), jnp.float32),
+            jax.ShapeDtypeStruct((r, nkv, grid_splits, m_rows), jnp.float32),
+            jax.ShapeDtypeStruct((r, nkv, grid_splits, m_rows), jnp.float32),
         ]
     call = pl.pallas_call(
         kernel,
-        grid=(r, nkv, num_splits),
+        grid=(r, nkv, grid_splits),
         in_specs=[
-            rows_spec,  # q packed [R, nKV, M, Dp]
+            unpacked_spec,  # q as [R * T * nH, D]
             pool_spec,  # k_pages as [N * page_size, nKV * D]
             pool_spec,  # v_pages
             pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, s: (i, 0)),  # block_tables
@@ -310,13 +365,14 @@ def paged_attention_pallas(
     )
     with ignore_triton_deprecation():
         out = call(
-            _pack_queries(q, nkv, m_rows, dp),
+            q.reshape(unpacked.shape),
             k_pages.reshape(flat),
             v_pages.reshape(flat),
             block_tables.astype(jnp.int32),
             start_pos.astype(jnp.int32),
             num_valid.astype(jnp.int32),
         )
-    if num_splits > 1:
-        out = combine_splits(*out).astype(q.dtype)
-    return _unpack_rows(out, span, nh, d)
+        if num_splits > 1:
+            out = _merge_splits(out, unpacked, group=nh // nkv, span=span, head_dim=d, interpret=interpret,
+                                num_warps=num_warps)
+    return out.reshape(r, span, nh, d)

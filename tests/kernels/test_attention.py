@@ -3,11 +3,19 @@ the split merge, write_kv placement. GPU-only classes: `python -m pytest tests/k
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
 from pallas_kernels.attention import api, reference
-from pallas_kernels.attention.kernel import combine_splits, default_num_splits, paged_attention_pallas
+from pallas_kernels.attention.kernel import (
+    MIN_DOT,
+    _merge_splits,
+    combine_splits,
+    default_num_splits,
+    padded_head_dim,
+    paged_attention_pallas,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 5e-3}
@@ -267,12 +275,39 @@ def test_combine_splits_rescales_and_ignores_empty_splits():
     assert np.isfinite(got).all() and not got.any()
 
 
+@pytest.mark.parametrize(("splits", "span", "group", "head_dim"), [(4, 2, 4, 128), (1, 3, 2, 24), (32, 1, 4, 16),
+                                                                 (8, 16, 2, 48)])
+def test_merge_kernel_equals_combine_splits(splits, span, group, head_dim):
+    """The merge kernel (split partials -> the unpacked output in one launch) against
+    combine_splits followed by the unpacking it replaced: an empty split, a split holding all the
+    mass, pad rows (M > T * G) and padded head columns (D not a power of two) included."""
+    r, nkv = 2, 2
+    m_rows, dp = max(MIN_DOT, pl.next_power_of_2(span * group)), padded_head_dim(head_dim)
+    rng = np.random.default_rng(splits + span)
+    acc = rng.standard_normal((r, nkv, splits, m_rows, dp)).astype(np.float32)
+    m = 4 * rng.standard_normal((r, nkv, splits, m_rows)).astype(np.float32)
+    denom = rng.uniform(0.5, 2.0, (r, nkv, splits, m_rows)).astype(np.float32)
+    m[:, :, 0] += 20.0  # the first split holds the mass: a missing rescale is far off
+    if splits > 1:
+        m[:, :, -1], denom[:, :, -1], acc[:, :, -1] = reference.MASK_VALUE, 0.0, 0.0  # an empty split
+    acc[..., head_dim:] = 0.0  # padded columns, as the kernel writes them
+    out = jax.ShapeDtypeStruct((r * span * nkv * group, head_dim), jnp.float32)
+    got = _merge_splits((jnp.asarray(acc), jnp.asarray(m), jnp.asarray(denom)), out, group=group, span=span,
+                        head_dim=head_dim, interpret=True, num_warps=4)
+    merged = np.asarray(combine_splits(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(denom)))  # [r, nkv, M, Dp]
+    want = merged[:, :, :span * group, :head_dim].reshape(r, nkv, span, group, head_dim).transpose(0, 2, 1, 3, 4)
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=1e-5, atol=1e-6)
+
+
 def test_default_num_splits():
-    """About 2 programs per SM, at most one split per block of the longest row, at least 1."""
-    assert default_num_splits(1, 8, 2560, 4, sm_count=132) == 33  # Qwen3-4B, batch 1, 40k-token table
+    """About 2 programs per SM, at most one split per block of the longest row, at least 1, a
+    power of two."""
+    assert default_num_splits(1, 8, 2560, 4, sm_count=132) == 32  # Qwen3-4B, batch 1, 40k-token table: 33 -> 32
+    assert default_num_splits(8, 8, 2560, 4, sm_count=132) == 4  # 5 -> 4
     assert default_num_splits(32, 8, 2560, 4, sm_count=132) == 2
     assert default_num_splits(64, 8, 2560, 4, sm_count=132) == 1
     assert default_num_splits(1, 8, 8, 4, sm_count=132) == 2  # a 2-block table
+    assert default_num_splits(1, 8, 12, 4, sm_count=132) == 2  # a 3-block table
     assert default_num_splits(1, 1, 10**6, 4, sm_count=132) == 64  # capped
 
 
