@@ -38,8 +38,7 @@ SMOKE = dict(shapes="demo-qwen3.5", batches="1", ks="1", context=24, repeats=3, 
              bandwidth_gib=1 / 32, memory_lens="128,4096", compile_threads=2, warmup=1)
 
 
-MOE_PATHS = ("gather", "grouped", "dense", "grouped-triton")
-TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+MOE_PATHS = ("gather", "grouped", "dense", "grouped-pallas")
 
 
 def build_parser():
@@ -64,7 +63,7 @@ def build_parser():
     p.add_argument("--reserve-gib", type=float, default=2.0, help="workspace kept free in the max-batch table")
     p.add_argument("--moe-paths", default=",".join(MOE_PATHS),
                    help="MoE shapes: expert paths timed alone on one layer at every step's token count "
-                        "('none' = skip); grouped-triton is ragged_dot's Pallas Triton lowering (GPU)")
+                        "('none' = skip); grouped is XLA's ragged_dot, grouped-pallas the Pallas grouped kernel")
     return p
 
 
@@ -347,25 +346,12 @@ def _random_routing(n: int, cfg, dtype, seed: int):
     return jnp.asarray(x, dtype), jnp.asarray(top_w, dtype), jnp.asarray(top_i), len(np.unique(top_i))
 
 
-def _expert_fn(path: str):
+def _lower_moe(path: str, p, args_):
+    """Lowered jit of one expert path; grouped-pallas is the grouped path through the Pallas kernel."""
     from jaxspec.models import layers
 
-    return layers.EXPERT_PATHS[path.removesuffix("-triton")]
-
-
-def _lower_moe(path: str, p, args_):
-    """Lowered jit of one path; grouped-triton lowers ragged_dot with jax's Pallas Triton kernel."""
-    fn = jax.jit(_expert_fn(path))
-    if path != "grouped-triton":
-        return fn.lower(p, *args_)
-    if jax.default_backend() != "gpu" or not hasattr(jax.config, TRITON_FLAG):
-        raise RuntimeError(f"needs a GPU backend and jax.config.{TRITON_FLAG} (this jax: {jax.__version__})")
-    old = getattr(jax.config, TRITON_FLAG)
-    jax.config.update(TRITON_FLAG, True)
-    try:
-        return fn.lower(p, *args_)
-    finally:
-        jax.config.update(TRITON_FLAG, old)
+    name, _, impl = path.partition("-")
+    return jax.jit(functools.partial(layers.EXPERT_PATHS[name], kernels=impl or "xla")).lower(p, *args_)
 
 
 def _hlo_facts(exe) -> dict:
@@ -390,10 +376,11 @@ def _time_moe(exe, inputs: tuple, args) -> dict:
     return {"timing": t, "ms": (t["pipelined"] or t["latency"])["median_ms"]}
 
 
-def run_moe_paths(model, args, bandwidth: float) -> dict:
+def run_moe_paths(model, args, bandwidth: float, kernels: str) -> dict:
     """One MoE layer's routed experts (router and shared expert excluded), random routing, at the
     token count of every timed step, by each path in --moe-paths. Floor: the weights of the experts
-    the sampled routing chose (their union, each read once) plus x read and the output written."""
+    the sampled routing chose (their union, each read once) plus x read and the output written.
+    kernels: the engine's ("xla" / "pallas"), which decides the path layers.moe picks (auto)."""
     from jaxspec.models import layers
 
     cfg = model.config
@@ -412,7 +399,8 @@ def run_moe_paths(model, args, bandwidth: float) -> dict:
         for path in paths:
             row = {"N": n, "pairs": n * cfg.num_experts_per_tok, "path": path, "distinct_experts": distinct,
                    "expected_experts": round(common.expected_experts(cfg, n), 2),
-                   "auto": layers.moe_path(n, cfg.num_experts, cfg.num_experts_per_tok),
+                   "auto": layers.moe_path(n, cfg.num_experts, cfg.num_experts_per_tok, kernels)
+                   + ("-pallas" if kernels == "pallas" else ""),
                    "floor_ms": floor_bytes / bandwidth * 1e3}
             if (n, path) in errors:
                 row["error"] = errors[(n, path)]
@@ -470,7 +458,7 @@ def run_shape(name: str, layers: int | None, args, res, bandwidth: float, budget
         res.save()
     if model.config.num_experts and args.moe_paths != "none" and budget.allows():
         try:
-            rec["moe_paths"] = run_moe_paths(model, args, bandwidth)
+            rec["moe_paths"] = run_moe_paths(model, args, bandwidth, eng.kernels)
         except Exception as e:
             res.error(f"{name} moe paths", e)
         res.save()

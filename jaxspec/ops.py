@@ -11,6 +11,7 @@ import jax
 from pallas_kernels.attention import api as attention_api
 from pallas_kernels.gated_delta import api as gdn_api
 from pallas_kernels.gated_delta import reference as gdn_ref
+from pallas_kernels.moe import api as moe_api
 
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 
@@ -59,3 +60,13 @@ def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_va
     to lines[write_row]."""
     return gdn_api.conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, mode=mode,
                                implementation=kernels, interpret=_interpret())
+
+
+def grouped_glu(x, w_gate, w_up, group_sizes, *, kernels: str):
+    """silu(x w_gate) * (x w_up) with each row's expert's weights: x [P, H] sorted by expert -> [P, I]."""
+    return moe_api.grouped_glu(x, w_gate, w_up, group_sizes, implementation=kernels, interpret=_interpret())
+
+
+def grouped_matmul(x, w, group_sizes, *, kernels: str):
+    """x [P, K] sorted by expert times its expert's w [E, K, N] -> [P, N]."""
+    return moe_api.grouped_matmul(x, w, group_sizes, implementation=kernels, interpret=_interpret())

@@ -171,12 +171,15 @@ def constrain(x, cfg, axes):
     return x if cfg.mesh is None else jax.lax.with_sharding_constraint(x, named(cfg, axes))
 
 
-def local(fn, cfg, in_axes: tuple, out_axes):
+def local(fn, cfg, in_axes: tuple, out_axes, *, reduce: bool = False):
     """fn run per device on its shard (jax.shard_map) where the model has a mesh, else fn itself.
     in_axes / out_axes: logical axes per argument / output (None = replicated, every device runs
-    the same values)."""
+    the same values). reduce: each device's output is a partial sum (fn contracted a sharded
+    axis); they are summed over the devices (one all-reduce) into out_axes."""
     if cfg.mesh is None:
         return fn
+    if reduce:
+        fn = _summed(fn)
 
     def spec(axes):
         return P() if axes is None else _spec(cfg, axes)
@@ -187,6 +190,12 @@ def local(fn, cfg, in_axes: tuple, out_axes):
     outs = specs(out_axes) if isinstance(out_axes, list) else spec(out_axes)
     return jax.shard_map(fn, mesh=cfg.mesh, in_specs=tuple(spec(a) for a in in_axes), out_specs=outs,
                          check_vma=False)
+
+
+def _summed(fn):
+    def run(*args):
+        return jax.tree_util.tree_map(lambda y: jax.lax.psum(y, AXIS), fn(*args))
+    return run
 
 
 def shard_bytes(x) -> int:

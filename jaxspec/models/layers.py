@@ -98,40 +98,48 @@ def mlp(p, x):
     return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
 
 
-def moe_path(num_tokens: int, num_experts: int, top_k: int) -> str:
-    """The expert path for N = num_tokens rows (static): "gather" while the N * top_k (token, expert)
-    pairs are fewer than the experts, else "grouped".
+def moe_path(num_tokens: int, num_experts: int, top_k: int, kernels: str = "xla") -> str:
+    """The expert path for N = num_tokens rows (static).
 
-    Bytes decide it: the gather path reads one expert's weights per pair (N * top_k of them, repeats
-    included), the grouped path reads the experts' weights once whatever N (only the chosen ones in
-    a grouped GEMM that skips empty groups; all E, at E times the arithmetic, where a backend lowers
-    ragged_dot to a padded dense dot). Below E pairs the gather reads fewer than E experts; from E
-    on it would read more than all of them. benchmarks/step_times.py times both paths per N."""
+    kernels="pallas": always "grouped", whose Pallas kernel (pallas_kernels/moe) visits only the
+    experts that own rows and reads each one's weights once per block of its rows, so at any N it
+    reads at most what the gather path reads.
+
+    kernels="xla": "gather" while the N * top_k (token, expert) pairs are fewer than the experts,
+    else "grouped". Bytes decide it: the gather path reads one expert's weights per pair (N * top_k
+    of them, repeats included), XLA's grouped path (ragged_dot) reads the experts' weights once
+    whatever N (all E where a backend lowers ragged_dot to a padded dense dot, at E times the
+    arithmetic). Below E pairs the gather reads fewer than E experts; from E on it would read more
+    than all of them. benchmarks/step_times.py times the paths per N."""
+    if kernels == "pallas":
+        return "grouped"
     return "gather" if num_tokens * top_k < num_experts else "grouped"
 
 
-def moe(p, cfg: ModelConfig, x, path: str = "auto"):
+def moe(p, cfg: ModelConfig, x, path: str = "auto", kernels: str = "xla"):
     """Sparse MoE with softmax top-k router and optional sigmoid-gated shared expert. x [N, H].
 
     path "auto" picks by moe_path (N is static, so at trace time): "gather" reads only the chosen
     experts' weights (decode, short verify spans); "grouped" sorts the (token, expert) pairs by
     expert and runs grouped matmuls (jax.lax.ragged_dot), one row per pair, so the arithmetic is
-    N * top_k expert evaluations whatever E. Both are exact; the benchmarks may force either.
+    N * top_k expert evaluations whatever E (through `ops.grouped_glu` / `ops.grouped_matmul`, so
+    kernels="pallas" runs them as the Pallas grouped kernel). All paths are exact; the benchmarks
+    may force any.
     """
     router_probs = jax.nn.softmax((x @ p["router"]).astype(F32), axis=-1)  # [N, E]
     top_w, top_i = jax.lax.top_k(router_probs, cfg.num_experts_per_tok)  # [N, k]
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     if path == "auto":
-        path = moe_path(x.shape[0], cfg.num_experts, cfg.num_experts_per_tok)
-    out = EXPERT_PATHS[path](p, x, top_w.astype(x.dtype), top_i)
+        path = moe_path(x.shape[0], cfg.num_experts, cfg.num_experts_per_tok, kernels)
+    out = EXPERT_PATHS[path](p, x, top_w.astype(x.dtype), top_i, kernels=kernels, cfg=cfg)
     if "shared" in p:
         shared = mlp(p["shared"], x)
         out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * shared
     return out
 
 
-def _gathered_experts(p, x, top_w, top_i):
+def _gathered_experts(p, x, top_w, top_i, *, kernels: str = "xla", cfg: ModelConfig | None = None):
     """sum_j top_w[n, j] * expert_{top_i[n, j]}(x[n]), reading only the chosen experts' weights.
     x [N, H]; top_w [N, k]; top_i [N, k] int32 -> [N, H]."""
     gate, up, down = p["gate"][top_i], p["up"][top_i], p["down"][top_i]  # [N, k, H, I], [N, k, H, I], [N, k, I, H]
@@ -139,7 +147,11 @@ def _gathered_experts(p, x, top_w, top_i):
     return jnp.einsum("nk,nkh->nh", top_w, jnp.einsum("nki,nkih->nkh", h, down))
 
 
-def _grouped_experts(p, x, top_w, top_i):
+# Logical axes of the expert weights gate / up [E, H, I] and down [E, I, H] (jaxspec/sharding.py).
+_EXPERT_AXES = (("experts", None, "expert_mlp"), ("experts", "expert_mlp", None))
+
+
+def _grouped_experts(p, x, top_w, top_i, *, kernels: str = "xla", cfg: ModelConfig | None = None):
     """The same sum as _gathered_experts through grouped matmuls. x [N, H]; top_w [N, k]; top_i [N, k] -> [N, H].
 
     Pair j = (token j // k, slot j % k). The pairs are sorted by expert (stable), so expert e owns
@@ -152,13 +164,23 @@ def _grouped_experts(p, x, top_w, top_i):
     order = jnp.argsort(pairs, stable=True)  # [P] pair index at each sorted row
     sizes = jnp.bincount(pairs, length=E).astype(jnp.int32)  # [E] rows per expert, in expert order
     xs = x[order // k]  # [P, H] token rows, sorted by expert
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], sizes)) * jax.lax.ragged_dot(xs, p["up"], sizes)  # [P, I]
-    ys = jax.lax.ragged_dot(h, p["down"], sizes)  # [P, H] sorted rows
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))  # [P] sorted row of pair
-    return jnp.einsum("nk,nkh->nh", top_w, ys[inverse].reshape(N, k, -1))
+
+    def down(h, w_down, sizes, inverse, top_w):  # [P, I] -> [N, H]
+        ys = ops.grouped_matmul(h, w_down, sizes, kernels=kernels)  # [P, H] sorted rows
+        return jnp.einsum("nk,nkh->nh", top_w, ys[inverse].reshape(N, k, -1))
+
+    glu = functools.partial(ops.grouped_glu, kernels=kernels)
+    if kernels == "pallas" and cfg is not None:
+        # A Pallas call runs per device on its shard of the experts' I columns; the down
+        # projection's partial [N, H] sums are all-reduced (the one all-reduce of the layer's MoE).
+        up_axes, down_axes = _EXPERT_AXES
+        glu = sharding.local(glu, cfg, (None, up_axes, up_axes, None), (None, "expert_mlp"))
+        down = sharding.local(down, cfg, ((None, "expert_mlp"), down_axes, None, None, None), None, reduce=True)
+    return down(glu(xs, p["gate"], p["up"], sizes), p["down"], sizes, inverse, top_w)
 
 
-def _dense_experts(p, x, top_w, top_i):
+def _dense_experts(p, x, top_w, top_i, *, kernels: str = "xla", cfg: ModelConfig | None = None):
     """Every expert on every token, weighted by its routing weight (zero when not chosen): E / top_k
     times the needed arithmetic, each expert's weights read once. Never picked by moe_path; kept as
     the measured baseline and the fallback for a backend whose ragged_dot is a padded dense dot
@@ -169,11 +191,12 @@ def _dense_experts(p, x, top_w, top_i):
     return jnp.einsum("ne,neh->nh", weights, jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["down"]))
 
 
-# f(p, x, top_w, top_i) -> [N, H]; moe(path=...) names one, moe_path picks gather or grouped.
+# f(p, x, top_w, top_i, kernels=) -> [N, H]; moe(path=...) names one, moe_path picks gather or grouped
+# (only the grouped path has a Pallas kernel; the others ignore kernels).
 EXPERT_PATHS = {"gather": _gathered_experts, "grouped": _grouped_experts, "dense": _dense_experts}
 
 
-def feed_forward(layer, cfg: ModelConfig, x, live_columns: int | None = None):
+def feed_forward(layer, cfg: ModelConfig, x, live_columns: int | None = None, kernels: str = "xla"):
     """x [R, T, H] through the layer's dense MLP or MoE.
 
     live_columns (static): only each row's first live_columns columns are ever read (a plain decode
@@ -185,7 +208,7 @@ def feed_forward(layer, cfg: ModelConfig, x, live_columns: int | None = None):
         return mlp(layer["mlp"], x.reshape(-1, x.shape[-1])).reshape(x.shape)
     R, T, H = x.shape
     live = T if live_columns is None else min(live_columns, T)
-    out = moe(layer["moe"], cfg, x[:, :live].reshape(R * live, H)).reshape(R, live, H)
+    out = moe(layer["moe"], cfg, x[:, :live].reshape(R * live, H), kernels=kernels).reshape(R, live, H)
     return out if live == T else jnp.pad(out, ((0, 0), (0, T - live), (0, 0)))
 
 

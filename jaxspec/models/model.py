@@ -73,7 +73,7 @@ def _layer(layer, x, batch: StepBatch, cache: tuple, *, cfg: ModelConfig, mixer:
         cache = (ssm, conv)
     x = x + h
     h = layers.rms_norm(x, layer["post_norm"], eps, zc)
-    return x + layers.feed_forward(layer, cfg, h, live_columns), cache
+    return x + layers.feed_forward(layer, cfg, h, live_columns, kernels), cache
 
 
 @layers.weight_precision

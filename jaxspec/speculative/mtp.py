@@ -71,7 +71,7 @@ def mtp_forward(dparams, cfg: ModelConfig, kv: list, hidden, tokens, start_pos, 
         a, kv[j] = layers.attention(layer["attn"], cfg, layers.rms_norm(x, layer["input_norm"], eps, zc), batch,
                                     kv[j], kernels)
         x = x + a
-        x = x + layers.feed_forward(layer, cfg, layers.rms_norm(x, layer["post_norm"], eps, zc))
+        x = x + layers.feed_forward(layer, cfg, layers.rms_norm(x, layer["post_norm"], eps, zc), kernels=kernels)
     out = layers.rms_norm(x, mtp["norm"], eps, zc)
     return out, logits_from_hidden(dparams, cfg, out), kv
 

@@ -73,7 +73,7 @@ def test_incremental_decode_equals_full_forward(variant, jax_model):
     assert rel_rms(incremental, full) < 1e-5
 
 
-PALLAS_VARIANTS = ["qwen3-gqa2", "qwen3_5-gva2-d16", "qwen3_next-gva3-d16"]
+PALLAS_VARIANTS = ["qwen3-gqa2", "qwen3_5-gva2-d16", "qwen3_next-gva3-d16", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("variant", PALLAS_VARIANTS)
@@ -104,11 +104,14 @@ def model_step_pallas_calls(model, kernels: str, mode: str, T: int) -> int:
 @pytest.mark.parametrize("variant", PALLAS_VARIANTS)
 def test_pallas_kernels_are_in_the_model_step(variant, jax_model):
     """kernels="pallas" puts a pallas_call into the model's prefill and verify steps (attention,
-    and for the hybrids GDN and conv), kernels="xla" none: the parity test above runs the kernels."""
+    and for the hybrids GDN and conv, the MoE's grouped glu and down projection), kernels="xla" none:
+    the parity test above runs the kernels."""
     model, _ = jax_model(variant, kernels="pallas")
     assert resolve_kernels(model.kernels) == "pallas"
     for mode, T in (("prefill", CHUNK), ("verify", 4)):
         calls = model_step_pallas_calls(model, "pallas", mode, T)
-        # attention layers: paged attention; GDN layers: the recurrence and the conv
-        assert calls >= len(model.config.attention_layers) + 2 * len(model.config.gdn_layers), (mode, calls)
+        # attention layers: paged attention; GDN layers: the recurrence and the conv; MoE: glu and down
+        cfg = model.config
+        want = len(cfg.attention_layers) + 2 * len(cfg.gdn_layers) + 2 * cfg.mlp_kinds.count("moe")
+        assert calls >= want, (mode, calls)
         assert model_step_pallas_calls(model, "xla", mode, T) == 0

@@ -1,6 +1,6 @@
 """The sparse MoE block (models/layers.moe): the gathered path (N * top_k < E, decode and short spans)
-and the grouped path (ragged_dot over expert-sorted pairs), and the dense fallback, equal a per-token float64 loop over
-the chosen experts, in float32 tightly and in bfloat16 by relative RMS, with tokens routed evenly or
+and the grouped path (expert-sorted pairs through ragged_dot, or the Pallas grouped kernel with
+kernels="pallas"), and the dense fallback, equal a per-token float64 loop over the chosen experts, in float32 tightly and in bfloat16 by relative RMS, with tokens routed evenly or
 piled onto a few experts (most experts get no rows)."""
 
 from __future__ import annotations
@@ -73,10 +73,12 @@ def test_moe_equals_a_per_token_loop(n, norm_topk):
 def test_the_switch_point_is_n_top_k_against_the_experts():
     assert [layers.moe_path(n, E, K) for n in (1, 7, 8, 40)] == ["gather", "gather", "grouped", "grouped"]
     assert layers.moe_path(31, 256, 8) == "gather" and layers.moe_path(32, 256, 8) == "grouped"
+    assert {layers.moe_path(n, 256, 8, "pallas") for n in (1, 31, 32, 512)} == {"grouped"}
 
 
 ROUTINGS = [(1, False), (7, False), (8, True), (40, False), (40, True)]  # (N, uneven) across the switch at N = 8
-CASES = [(path, n, u) for path in ("gather", "grouped") for n, u in ROUTINGS] + [("dense", n, True) for n in (8, 40)]
+CASES = ([(path, n, u) for path in ("gather", "grouped", "grouped-pallas") for n, u in ROUTINGS]
+         + [("dense", n, True) for n in (8, 40)])
 
 
 @pytest.mark.parametrize("path,n,uneven", CASES)
@@ -85,17 +87,42 @@ def test_every_path_equals_the_loop_in_float32_and_bfloat16(path, n, uneven):
     want, counts = reference(p, x, norm_topk=True)
     if uneven:  # the routing this case exists for: several empty experts, one crowded
         assert (counts == 0).sum() >= 8 and counts.max() >= n // 2, counts
-    f32, bf16 = both_dtypes(p, x, path)
+    path, _, kernels = path.partition("-")
+    f32, bf16 = both_dtypes(p, x, path, kernels or "xla")
     assert f32.dtype == jnp.float32 and rel_rms(f32, want) < 2e-6
     assert bf16.dtype == jnp.bfloat16 and rel_rms(bf16, want) < 2e-2
 
 
-@functools.partial(jax.jit, static_argnames="path")
-def both_dtypes(p, x, path: str):
+@functools.partial(jax.jit, static_argnames=("path", "kernels"))
+def both_dtypes(p, x, path: str, kernels: str = "xla"):
     """moe in float32 and, on the same inputs rounded to bfloat16, in bfloat16 (one compile: the
     model runs it under jit too)."""
     low = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), (p, x))
-    return layers.moe(p, config(True), x, path=path), layers.moe(*low[:1], config(True), low[1], path=path)
+    return (layers.moe(p, config(True), x, path=path, kernels=kernels),
+            layers.moe(*low[:1], config(True), low[1], path=path, kernels=kernels))
+
+
+def test_pallas_experts_under_a_mesh_run_per_device_and_sum():
+    """kernels="pallas" on a 2-device mesh (experts split along I, as jaxspec/sharding.py lays
+    them out): each device runs the grouped kernel on its columns, the down projection's partial
+    sums are all-reduced (once, as on the XLA path), and the output equals the single-device one."""
+    import dataclasses
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxspec import sharding
+
+    p, x = inputs(5, seed=21, uneven=True)
+    cfg = dataclasses.replace(config(True), mesh=sharding.make_mesh(2))
+    split = {"gate": P(None, None, sharding.AXIS), "up": P(None, None, sharding.AXIS),
+             "down": P(None, sharding.AXIS, None), "router": P()}
+    placed = {k: jax.device_put(v, NamedSharding(cfg.mesh, split[k])) for k, v in p.items()}
+    run = jax.jit(lambda p, x: layers.moe(p, cfg, x, kernels="pallas"))
+    got = run(placed, jax.device_put(x, NamedSharding(cfg.mesh, P())))
+    assert sharding.count_collectives(run.lower(placed, x).compile().as_text()) == {"all-reduce": 1}
+    np.testing.assert_allclose(np.asarray(got), np.asarray(layers.moe(p, config(True), x, kernels="pallas")),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_inert_columns_route_no_experts():
