@@ -119,8 +119,10 @@ def grouped_matmul_pallas(
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 3,
+    blocks: tuple[int, int, int] | None = None,
 ) -> jax.Array:
-    """x times its group's weights -> [P, N] in x.dtype; with two weights, silu(x w0) * (x w1)."""
+    """x times its group's weights -> [P, N] in x.dtype; with two weights, silu(x w0) * (x w1).
+    blocks: (block_m, block_k, block_n), powers of two >= 16; None picks `block_sizes`."""
     p_rows, k_dim = x.shape
     n_groups, _, n_dim = weights[0].shape
     for w in weights:
@@ -132,7 +134,7 @@ def grouped_matmul_pallas(
     if group_sizes.shape != (n_groups,):
         raise ValueError(f"group_sizes must be [E] = [{n_groups}], got {group_sizes.shape}")
     n_slots = min(n_groups, p_rows)
-    block_m, block_k, block_n = block_sizes(p_rows, n_slots, k_dim, n_dim)
+    block_m, block_k, block_n = blocks or block_sizes(p_rows, n_slots, k_dim, n_dim)
     expert, start, count = group_slots(group_sizes, n_slots)
     kernel = functools.partial(_grouped_kernel, glu=len(weights) == 2, k_dim=k_dim, n_dim=n_dim,
                                block_m=block_m, block_k=block_k, block_n=block_n)

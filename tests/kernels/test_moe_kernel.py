@@ -12,7 +12,9 @@ from pallas_kernels.moe import api
 from pallas_kernels.moe.kernel import TARGET_PROGRAMS, block_sizes, group_slots
 
 ON_GPU = jax.default_backend() == "gpu"
-RTOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
+# float32 as in tests/kernels/test_attention.py: on the H200, the published shapes (K = 2048) come out at
+# 1.2e-6 (the CPU interpreter at 1.4e-7), the error of Triton's float32 dots summed over 2048 products.
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
 def case(seed, *, rows, groups, k_dim, n_dim, sizes=None):
@@ -111,10 +113,23 @@ class TestPallasGPU:
     @pytest.mark.parametrize("tokens", [1, 8, 64])
     @pytest.mark.parametrize("layout", [(256, 8, 2048, 512), (512, 10, 2048, 512)])
     def test_published_moe_shapes(self, layout, tokens, dtype):
-        """Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B experts (E, top_k, H, I), random routing."""
+        """Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B experts (E, top_k, H, I), random routing. Weights are
+        drawn on the device; the float64 oracle reads only the chosen experts'."""
         groups, top_k, hidden, inter = layout
         rng = np.random.default_rng(tokens)
-        chosen = np.stack([rng.choice(groups, top_k, replace=False) for _ in range(tokens)]).reshape(-1)
-        sizes = np.bincount(chosen, minlength=groups)
-        check(4, dtype=dtype, interpret=False, rows=tokens * top_k, groups=groups, k_dim=hidden, n_dim=inter,
-              sizes=sizes)
+        chosen = np.sort(np.stack([rng.choice(groups, top_k, replace=False) for _ in range(tokens)]).reshape(-1))
+        sizes = np.bincount(chosen, minlength=groups).astype(np.int32)
+        keys = jax.random.split(jax.random.key(tokens), 3)
+        x = jax.random.normal(keys[0], (tokens * top_k, hidden), dtype)
+        w_gate, w_up = (jax.random.normal(key, (groups, hidden, inter), dtype) * hidden**-0.5 for key in keys[1:])
+        glu = api.grouped_glu(x, w_gate, w_up, jnp.asarray(sizes), implementation="pallas", interpret=False)
+        mm = api.grouped_matmul(x, w_gate, jnp.asarray(sizes), implementation="pallas", interpret=False)
+        as64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
+        used = np.unique(chosen)
+        gate64, up64 = {e: as64(w_gate[e]) for e in used}, {e: as64(w_up[e]) for e in used}
+        x64 = as64(x)
+        a = np.stack([row @ gate64[e] for row, e in zip(x64, chosen, strict=True)])
+        b = np.stack([row @ up64[e] for row, e in zip(x64, chosen, strict=True)])
+        for got, want in ((glu, a / (1 + np.exp(-a)) * b), (mm, a)):
+            assert got.shape == want.shape and got.dtype == dtype
+            assert rel_rms(got, want) < RTOL[dtype], rel_rms(got, want)
