@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -51,7 +50,10 @@ def _verify_kernel(
     if barrier:  # every thread holds its part of the start tile before any snapshot is stored
         pltriton.debug_barrier()
 
-    def step(t, h):
+    # The T steps are unrolled (T = 1 + k is static): no load of a token depends on the
+    # state, so the compiler issues every token's q / k / v / g / beta and write slot ahead of the
+    # chain of state updates instead of paying a global-load latency per step.
+    for t in range(q_ref.shape[0]):
         live = t < n_valid
 
         def load(ref):  # token t of ref in float32, zero for an inert token
@@ -63,9 +65,18 @@ def _verify_kernel(
         h = h + k[:, None] * (beta * (v - pred))[None, :]
         o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
         pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
-        return h
 
-    lax.fori_loop(0, q_ref.shape[0], step, h)
+
+# V-block width: 32 columns; 64 once the grid has this many programs at 64 columns. Busy time per
+# call on one H200 (docs/benchmarks.md, "GDN verify blocks"): 64 columns cut 7-10% at batch 32 and
+# at Qwen3.5-27B batch 8, and cost 20-70% where the grid is small (Qwen3.5-2B batch 8, batch 1).
+WIDE_BLOCK_V, WIDE_MIN_PROGRAMS = 64, 512
+
+
+def default_block_v(b: int, hv: int, dv: int) -> int:
+    if dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= WIDE_MIN_PROGRAMS:
+        return WIDE_BLOCK_V
+    return min(32, dv)
 
 
 def _check(q, v, pool, block_v: int):
@@ -98,13 +109,13 @@ def gdn_verify_pallas(
     """Pallas GDN verify/decode; same contract as `reference.gdn_verify`.
 
     Returns o [B, T, HV, dv] float32 and the pool with pool[write_idx[b, t]] = state after token t.
-    `block_v` (static, power of two dividing dv, default min(32, dv)) is the V-block width of one
-    program. With duplicate write slots (padding rows all write the null slot 0) the last writer
+    `block_v` (static, power of two dividing dv; None: `default_block_v`) is the V-block width of
+    one program. With duplicate write slots (padding rows all write the null slot 0) the last writer
     wins, so slot 0 holds any one of them. `interpret=True` is required on CPU.
     """
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    block_v = block_v or min(32, dv)
+    block_v = block_v or default_block_v(b, hv, dv)
     _check(q, v, pool, block_v)
     r = hv // hk
     n_slots = pool.shape[0]

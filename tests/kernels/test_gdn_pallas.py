@@ -19,7 +19,7 @@ from pallas_kernels.gated_delta import api
 from pallas_kernels.gated_delta import reference as R
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
-from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+from pallas_kernels.gated_delta.recurrent import default_block_v, gdn_verify_pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -110,6 +110,15 @@ def check_verify(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
     for a in range(1, T + 1):
         read = i32(*(base + min(a, n) - 1 for base, n in zip(bases, num_valid[:3], strict=True)), 0)
         both(inputs, read, jnp.asarray([True, True, True, False]))
+
+
+def test_default_block_v_widens_only_a_full_grid():
+    assert default_block_v(1, 48, 128) == 32  # Qwen3.5-27B, batch 1: 96 programs at 64 columns
+    assert default_block_v(8, 16, 128) == 32  # Qwen3.5-2B, batch 8: 256
+    assert default_block_v(8, 48, 128) == 64  # Qwen3.5-27B, batch 8: 768
+    assert default_block_v(32, 16, 128) == 64
+    assert default_block_v(64, 16, 16) == 16  # narrower than 32 columns: the whole width
+    assert default_block_v(64, 16, 96) == 32  # 64 does not divide 96
 
 
 # Each (k, r) point is one compile; the pairs cover every k and every GVA ratio.
