@@ -27,8 +27,8 @@ from jaxspec import demo
 REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-SCRIPTS = ("step_times", "e2e", "kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput",
-           "plot", "plot_acceptance", "report", "tp")
+SCRIPTS = ("step_times", "e2e", "kernels", "kernel_sweep", "peers", "profile_step", "demo_drafters", "startup",
+           "throughput", "plot", "plot_acceptance", "report", "tp")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -48,10 +48,10 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
 def smoke(tmp_path_factory) -> dict:
     """{script: (json dict, stdout)} of every smoke run, plus the --help outputs."""
     out = tmp_path_factory.mktemp("bench")
-    path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "peers", "profile_step",
-                                                   "demo_drafters", "startup", "throughput", "tp")}
+    path = {name: out / f"{name}.json" for name in ("step_times", "e2e", "kernels", "kernel_sweep", "peers",
+                                                   "profile_step", "demo_drafters", "startup", "throughput", "tp")}
     step = _start("step_times", "--smoke", "--out", str(path["step_times"]))
-    beside = ("kernels", "peers", "profile_step", "demo_drafters", "startup", "throughput", "tp")
+    beside = ("kernels", "kernel_sweep", "peers", "profile_step", "demo_drafters", "startup", "throughput", "tp")
     side = {name: _start(name, "--smoke", "--out", str(path[name])) for name in beside}
     runs = {"step_times": _finish(step)}
     e2e = _start("e2e", "--smoke", "--out", str(path["e2e"]))
@@ -144,6 +144,21 @@ def test_kernels_smoke(smoke):
     assert not doc["errors"] and [s["what"] for s in doc["skipped"]] == ["fla"], (doc["errors"], doc["skipped"])
     for r in doc["results"]:
         assert r["us"] > 0 and r["floor_us"] > 0 and r["T"] == r["k"] + 1
+
+
+def test_kernel_sweep_smoke(smoke):
+    doc = smoke["json"]["kernel_sweep"]
+    _common_keys(doc, "kernel_sweep")
+    assert not doc["errors"] and not doc["skipped"], (doc["errors"], doc["skipped"])
+    rows = doc["results"]
+    configs = {k: {tuple(r["config"]) for r in rows if r["kernel"] == k} for k in ("attention", "gdn_verify")}
+    # The grid (pages per step 1, 2 x splits 1, 2) plus the default (4 pages, its own split count).
+    assert {(p, s, 4, 2) for p in (1, 2) for s in (1, 2)} < configs["attention"], configs
+    assert configs["gdn_verify"] == {(16, 4), (32, 4)}, configs
+    assert sum(r["default"] for r in rows) == 2  # one default per (kernel, shape)
+    for r in rows:
+        assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU
+    assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
 
 
 def test_peers_smoke(smoke):

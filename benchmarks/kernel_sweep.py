@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Kernel launch-parameter sweep: the paged span attention (pages per loop step x KV splits x warps x
+pipeline stages) and the GDN verify recurrence (V-block width x warps), each config timed as pipelined
+wall per call and profiled for the GPU busy time of its own kernels, beside its bytes floor.
+
+This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
+pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py)
+were chosen; the default config of each shape is always timed and marked. Inputs and floors are
+benchmarks/kernels.py's (KV pages and state slots rotated past the L2). Busy time counts only the
+swept kernels (attention: the split kernel and its merge; GDN: the recurrence), not the harness's
+own ops; the wall time holds them too and one launch gap per call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks import common, kernels  # noqa: E402
+from benchmarks.common import fmt, log  # noqa: E402
+
+KERNELS = ("attention", "gdn_verify")
+# The name each kernel's pallas_call gives its GPU kernels (busy time counts only these).
+KERNEL_NAMES = {"attention": "paged_span_attention", "gdn_verify": "gdn_verify"}
+SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
+             stages="2", block_v="16,32", gdn_warps="4", reps=2, repeats=3, traced=1, compile_threads=2,
+             bandwidth_gib=1 / 32)
+
+
+def parse(argv=None):
+    p = common.parser(__doc__.split("\n\n")[0], shapes=False)
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--layouts", default="qwen3-4b,qwen3.5-2b,qwen3.5-27b",
+                   help=f"attention: {', '.join(kernels.ATTN_LAYOUTS)}; gdn_verify: {', '.join(kernels.GDN_LAYOUTS)} "
+                        "(a layout runs for the kernels that have it)")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--ks", default="0,7", help="draft lengths; T = 1+k")
+    p.add_argument("--contexts", default="8192", help="cached tokens per row (attention)")
+    p.add_argument("--pages-per-block", default="4,8,16", help="attention: pages (of 16 tokens) per loop step")
+    p.add_argument("--splits", default="16,32,64", help="attention: KV splits per (request, kv head)")
+    p.add_argument("--warps", default="4,8", help="attention: warps per program")
+    p.add_argument("--stages", default="1,2,3", help="attention: Triton pipeline stages")
+    p.add_argument("--block-v", default="16,32,64", help="gdn_verify: V columns per program")
+    p.add_argument("--gdn-warps", default="2,4", help="gdn_verify: warps per program")
+    p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
+    p.add_argument("--traced", type=int, default=3, help="calls inside the profile")
+    p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
+    p.add_argument("--bandwidth-gib", type=float, default=4.0)
+    args = common.parse_args(p, argv, SMOKE)
+    common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
+    known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS}
+    common.check_choices("--layouts", args.layouts, sorted(known), "layout")
+    if max(common.int_list(args.ks)) > kernels.KMAX:
+        raise SystemExit(f"--ks: k <= {kernels.KMAX}")
+    return args
+
+
+def _layouts(kernel: str, args) -> dict:
+    table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN},
+             "gdn_verify": {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}}[kernel]
+    return {name: table[name] for name in args.layouts.split(",") if name in table}
+
+
+def _attention_configs(args, layout, B: int, context: int) -> tuple[list[tuple], tuple]:
+    from pallas_kernels.attention.kernel import default_num_splits, default_pages_per_block
+
+    ppb = default_pages_per_block(kernels.PAGE)
+    slots = -(-(context + kernels.KMAX + 1) // kernels.PAGE)
+    default = (ppb, default_num_splits(B, layout[1], slots, ppb), 4, 2)  # paged_attention_pallas' defaults
+    axes = (args.pages_per_block, args.splits, args.warps, args.stages)
+    grid = itertools.product(*(common.int_list(x) for x in axes))
+    return sorted(set(grid) | {default}), default
+
+
+def _gdn_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
+    from pallas_kernels.gated_delta.recurrent import default_block_v
+
+    dv = layout[3]
+    default = (default_block_v(B, layout[1], dv), 4)
+    grid = [(bv, w) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps) if dv % bv == 0]
+    return sorted(set(grid) | {default}), default
+
+
+def _attention_fn(config, scale: float, reps: int, interpret: bool):
+    import jax
+
+    from pallas_kernels.attention.kernel import paged_attention_pallas
+
+    ppb, splits, warps, stages = config
+
+    def run(pages, per, fixed):  # every output returned: no reduction kernels beside the swept ones
+        return [paged_attention_pallas(x["q"], pages[0], pages[1], x["tables"], fixed["start"], fixed["nv"],
+                                       scale=scale, interpret=interpret, num_splits=splits, pages_per_block=ppb,
+                                       num_warps=warps, num_stages=stages) for x in per[:reps]]
+
+    return jax.jit(run)
+
+
+def _gdn_fn(config, reps: int, interpret: bool):
+    import jax
+
+    from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+
+    block_v, warps = config
+
+    def run(pool, per, fixed):
+        outs = []
+        for x in per[:reps]:
+            o, pool = gdn_verify_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["read"], x["write"],
+                                        fixed["has"], fixed["nv"], interpret=interpret, block_v=block_v,
+                                        num_warps=warps)
+            outs.append(o)
+        return pool, outs
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def _busy_us(call, kernel: str, traced: int, reps: int) -> float | None:
+    """GPU busy microseconds per kernel call of the swept kernel's own launches (None off GPU)."""
+    import jax
+
+    from benchmarks.profile_step import _kernel_events
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            out = None
+            for _ in range(traced):
+                out = call()
+            common.block(out)
+        events = [e for e in _kernel_events(trace_dir) if KERNEL_NAMES[kernel] in e[0]]
+    return sum(d for _, _, d in events) / 1e3 / (traced * reps) if events else None
+
+
+def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res, bandwidth: float, rng,
+              cache: dict) -> None:
+    import jax
+
+    from pallas_kernels.attention.kernel import ignore_triton_deprecation
+
+    interpret = jax.default_backend() == "cpu"
+    if kernel == "attention":
+        state, per, fixed, nbytes, _ = kernels._attn_inputs(rng, layout, B, T, context, args.reps, cache)
+        configs, default = _attention_configs(args, layout, B, context)
+        make = {c: _attention_fn(c, layout[2] ** -0.5, args.reps, interpret) for c in configs}
+    else:
+        state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps)
+        configs, default = _gdn_configs(args, layout, B)
+        make = {c: _gdn_fn(c, args.reps, interpret) for c in configs}
+    st = {"state": state}
+    with ignore_triton_deprecation():
+        compiled, errors, _, wall_s = common.lower_and_compile(
+            {c: (lambda f=f: f.lower(st["state"], per, fixed)) for c, f in make.items()}, args.compile_threads)
+    log(f"{kernel} {name} B={B} T={T} ctx={context}: {len(compiled)} configs compiled in {wall_s:.1f}s")
+    for config, text in errors.items():
+        res.data["errors"].append({"what": f"{kernel} {name} B={B} T={T} {config}", "error": text})
+    floor_us = nbytes["floor"] / bandwidth * 1e6
+    for config, exe in compiled.items():
+
+        def call(exe=exe):
+            if kernel == "attention":
+                return exe(st["state"], per, fixed)
+            st["state"], outs = exe(st["state"], per, fixed)
+            return outs
+
+        try:
+            timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
+            busy = _busy_us(call, kernel, args.traced, args.reps)
+        except Exception as e:
+            res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
+            continue
+        res.add({"kernel": kernel, "layout": name, "B": B, "T": T, "context": context, "config": list(config),
+                 "default": config == default, "wall_us": timing["pipelined"]["median_ms"] * 1e3 / args.reps,
+                 "busy_us": busy, "floor_us": floor_us, "busy_over_floor": busy / floor_us if busy else None,
+                 "bytes": nbytes, "reps": args.reps, "timing": timing})
+
+
+def print_tables(res) -> None:
+    fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify": "block_v, warps"}
+    rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
+                                                      r["busy_us"] or r["wall_us"]))
+    table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
+              ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
+              fmt(r["busy_us"], 1), fmt(r["floor_us"], 1), fmt(r["busy_over_floor"])] for r in rows]
+    print(f"\nkernel sweep (us per call; * = the default; config: attention {fields['attention']}, gdn_verify "
+          f"{fields['gdn_verify']}; busy = the kernel's own GPU time, none off GPU)")
+    print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy", "floor",
+                                      "busy/floor"]))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    budget = common.Budget(args.budget_s)
+    res = common.Results("kernel_sweep", args)
+    bw = common.measure_bandwidth(int(args.bandwidth_gib * common.GiB))
+    res.data["bandwidth"] = bw
+    log(f"HBM read bandwidth {bw['tb_per_s']:.3f} TB/s")
+    rng = np.random.default_rng(0)
+    for kernel in args.kernels.split(","):
+        cache: dict = {}
+        for name, layout in _layouts(kernel, args).items():
+            contexts = common.int_list(args.contexts) if kernel == "attention" else [None]
+            for B, k, context in itertools.product(common.int_list(args.batches), common.int_list(args.ks), contexts):
+                if not budget.allows():
+                    res.skip(f"{kernel} {name} B={B} T={1 + k}", "budget")
+                    continue
+                try:
+                    run_shape(kernel, name, layout, B, 1 + k, context, args, res, bw["bytes_per_s"], rng, cache)
+                except Exception as e:
+                    res.error(f"{kernel} {name} B={B} T={1 + k}", e)
+    res.finish()
+    print_tables(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
