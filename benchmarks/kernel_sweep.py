@@ -142,7 +142,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
               cache: dict) -> None:
     import jax
 
-    from pallas_kernels.attention.kernel import ignore_triton_deprecation
+    from pallas_kernels.triton_common import ignore_triton_deprecation
 
     interpret = jax.default_backend() == "cpu"
     if kernel == "attention":

@@ -278,13 +278,13 @@ def measure_launch_us(repeats: int, n: int = 32) -> float:
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    from pallas_kernels.attention.kernel import _triton_compiler_params, ignore_triton_deprecation
+    from pallas_kernels.triton_common import ignore_triton_deprecation, triton_compiler_params
 
     def add_one(x_ref, o_ref):  # x, o: [16, 16] float32
         o_ref[...] = x_ref[...] + 1.0
 
     one = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
-                         compiler_params=_triton_compiler_params(1, 1), interpret=jax.default_backend() == "cpu")
+                         compiler_params=triton_compiler_params(1, 1), interpret=jax.default_backend() == "cpu")
 
     def chain(x):
         for _ in range(n):

@@ -28,9 +28,7 @@ operands are >= 16 on every side, shapes are static and everything per request (
 num_valid, block table) is read from refs at run time.
 """
 
-import contextlib
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,53 +36,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.attention.reference import MASK_VALUE
-
-# Smallest M / K / N of a Triton tensor-core dot.
-MIN_DOT = 16
-
-
-def _triton_compiler_params(num_warps: int, num_stages: int):
-    """Triton compiler params: `pallas.triton.CompilerParams` (jax 0.10-0.11), or the older
-    `pallas.gpu.TritonCompilerParams`. Their type is what selects the Triton backend."""
-    try:
-        from jax.experimental.pallas import triton as pl_triton
-    except ImportError:
-        from jax.experimental.pallas import gpu as pl_triton
-    params = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
-    return params(num_warps=num_warps, num_stages=num_stages)
-
-
-@contextlib.contextmanager
-def ignore_triton_deprecation():
-    """Silence jax >= 0.11's "Pallas Triton backend is deprecated" warning (it still works).
-
-    The warning fires when the pallas_call is lowered: eagerly that is inside
-    `paged_attention_pallas`, but under an outer `jax.jit` it is at the outer `.lower()`/first
-    call, so the engine's compile step should enter this context too.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-        yield
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
+from pallas_kernels.triton_common import (
+    MIN_DOT,
+    dot,
+    ignore_triton_deprecation,
+    is_pow2,
+    pow2_at_least,
+    triton_compiler_params,
+)
 
 def padded_head_dim(d: int) -> int:
     """The head dim the kernel computes with: the next power of two, at least MIN_DOT."""
-    return max(MIN_DOT, pl.next_power_of_2(d))
-
-
-def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
-    """`a [M, K]` times `b` (`[K, N]` if contract_b == 0, `[N, K]` if 1) -> `[M, N]` float32.
-
-    lax.dot_general rather than `pl.dot`, which moved to `pallas.triton` in jax 0.10. float32
-    operands ask for HIGHEST precision so Triton uses an IEEE dot, not TF32.
-    """
-    dims = (((1,), (contract_b,)), ((), ()))
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return pow2_at_least(d)
 
 
 def _split_range(n_blocks, split, num_splits: int):
@@ -154,7 +117,7 @@ def _attention_kernel(
         # Pool rows of keys j * block_k .. + block_k of this request (block table -> page -> row).
         rows = bt_ref[j * pages_per_block + key // page_size] * page_size + key % page_size
         k, v = load(k_ref, rows), load(v_ref, rows)
-        s = _dot(q, k, contract_b=1) * scale  # q k^T: [M, block_k] float32
+        s = dot(q, k, contract_b=1) * scale  # q k^T: [M, block_k] float32
         mask = ((j * block_k + key)[None, :] <= row_pos[:, None]) & row_ok[:, None]
         s = jnp.where(mask, s, MASK_VALUE)
         # Online softmax: m = running max, l = running sum of exp(s - m), acc = sum exp(s - m) v.
@@ -162,7 +125,7 @@ def _attention_kernel(
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m_prev - m_new)
         l_new = correction * l_prev + p.sum(axis=-1)
-        acc = correction[:, None] * acc + _dot(p.astype(v.dtype), v, contract_b=0)
+        acc = correction[:, None] * acc + dot(p.astype(v.dtype), v, contract_b=0)
         return acc, m_new, l_new
 
     init = (
@@ -228,7 +191,7 @@ def _merge_splits(partials, out_shape, *, group, span, head_dim, interpret, num_
         in_specs=[pl.BlockSpec((None, None, n_splits, m_rows, block_d), lambda i, h, c: (i, h, 0, 0, c)), tile, tile],
         out_specs=pl.BlockSpec(out_shape.shape, lambda i, h, c: (0, 0)),
         out_shape=out_shape,
-        compiler_params=_triton_compiler_params(num_warps, num_stages=1),
+        compiler_params=triton_compiler_params(num_warps, num_stages=1),
         interpret=interpret,
         name="paged_span_attention_merge",
     )
@@ -241,7 +204,7 @@ def _check_shapes(q, k_pages, pages_per_block):
     if nh % nkv:
         raise ValueError(f"{nh=} must be a multiple of {nkv=}")
     for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block)):
-        if not _is_pow2(n):
+        if not is_pow2(n):
             raise ValueError(f"{name}={n} must be a power of two (Triton tensor sizes)")
     if pages_per_block * page_size < MIN_DOT:
         raise ValueError(f"{pages_per_block=} * {page_size=} must be >= {MIN_DOT}")
@@ -359,7 +322,7 @@ def paged_attention_pallas(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_triton_compiler_params(num_warps, num_stages),
+        compiler_params=triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_span_attention" if num_splits == 1 else "paged_span_attention_split",
     )

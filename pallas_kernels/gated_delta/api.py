@@ -8,12 +8,12 @@ in place (`input_output_aliases`), so donate them under jit to avoid a copy.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.kernel import MIN_DOT
 from pallas_kernels.gated_delta import reference
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
 from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
 from pallas_kernels.gated_delta.recurrent_mosaic import gdn_verify_mosaic
+from pallas_kernels.triton_common import MIN_DOT, use_pallas
 
 __all__ = ["conv_update", "gdn_prefill", "gdn_verify"]
 
@@ -24,12 +24,7 @@ VERIFY_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "mosaic")
 
 
 def _use_pallas(implementation: str, interpret: bool | None) -> tuple[bool, bool]:
-    """(use Pallas?, interpret?); interpret defaults to True when the default backend is CPU."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS} (gdn_verify also takes 'mosaic')")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    return implementation == "pallas", interpret
+    return use_pallas(implementation, interpret, IMPLEMENTATIONS, " (gdn_verify also takes 'mosaic')")
 
 
 def _kernel_dims(dk: int, dv: int, *, min_dim: int) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.kernel import MIN_DOT, _is_pow2, _triton_compiler_params, ignore_triton_deprecation
+from pallas_kernels.triton_common import MIN_DOT, ignore_triton_deprecation, is_pow2, triton_compiler_params
 
 F32 = jnp.float32
 
@@ -160,7 +160,7 @@ def _check(q, v, pool, chunk_size: int, block_v: int):
     if pool.shape[1:] != (hv, dk, dv):
         raise ValueError(f"pool shape {pool.shape} must be [S, {hv}, {dk}, {dv}]")
     for name, size in (("dk", dk), ("dv", dv), ("chunk_size", chunk_size), ("block_v", block_v)):
-        if not _is_pow2(size) or size < MIN_DOT:
+        if not is_pow2(size) or size < MIN_DOT:
             raise ValueError(f"{name}={size} must be a power of two >= {MIN_DOT} (Triton dots)")
     if dv % block_v:
         raise ValueError(f"{block_v=} must divide {dv=}")
@@ -192,7 +192,7 @@ def _intra_chunk(k, v, g, beta, num_valid, *, chunk_size, hv, interpret, num_war
             jax.ShapeDtypeStruct((b, hv, tp, dk), F32),
             jax.ShapeDtypeStruct((b, hv, tp), F32),
         ],
-        compiler_params=_triton_compiler_params(num_warps, num_stages=1),
+        compiler_params=triton_compiler_params(num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_intra_chunk",
     )
@@ -257,7 +257,7 @@ def gdn_prefill_pallas(
             out_specs=[out_spec, pool_spec],
             out_shape=[jax.ShapeDtypeStruct((b, t, hv, dv), F32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
             input_output_aliases={5: 1},
-            compiler_params=_triton_compiler_params(num_warps, num_stages=1),
+            compiler_params=triton_compiler_params(num_warps, num_stages=1),
             interpret=interpret,
             name="gdn_chunk_state_pass",
         )

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.kernel import _triton_compiler_params, ignore_triton_deprecation
+from pallas_kernels.triton_common import ignore_triton_deprecation, triton_compiler_params
 
 F32 = jnp.float32
 MODES = ("verify", "prefill")
@@ -168,7 +168,7 @@ def conv_update_pallas(
         out_specs=[rows_spec, lines_spec],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(lines.shape, lines.dtype)],
         input_output_aliases={2: 1},
-        compiler_params=_triton_compiler_params(num_warps, num_stages=1),
+        compiler_params=triton_compiler_params(num_warps, num_stages=1),
         interpret=interpret,
         name=f"conv_update_{mode}",
     )

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.kernel import _is_pow2, _triton_compiler_params, ignore_triton_deprecation
+from pallas_kernels.triton_common import ignore_triton_deprecation, is_pow2, triton_compiler_params
 
 F32 = jnp.float32
 
@@ -86,7 +86,7 @@ def _check(q, v, pool, block_v: int):
         raise ValueError(f"value heads {hv=} must be a multiple of key heads {hk=}")
     if pool.shape[1:] != (hv, dk, dv):
         raise ValueError(f"pool shape {pool.shape} must be [S, {hv}, {dk}, {dv}]")
-    if not (_is_pow2(dk) and _is_pow2(block_v) and dv % block_v == 0):
+    if not (is_pow2(dk) and is_pow2(block_v) and dv % block_v == 0):
         raise ValueError(f"{dk=} and {block_v=} must be powers of two, block_v dividing {dv=} (Triton tiles)")
 
 
@@ -142,7 +142,7 @@ def gdn_verify_pallas(
         out_specs=[value_spec, pool_spec],
         out_shape=[jax.ShapeDtypeStruct(v.shape, F32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
         input_output_aliases={5: 1},
-        compiler_params=_triton_compiler_params(num_warps, num_stages=1),
+        compiler_params=triton_compiler_params(num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_verify",
     )

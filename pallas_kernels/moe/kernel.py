@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.kernel import MIN_DOT, _dot, _triton_compiler_params, ignore_triton_deprecation
+from pallas_kernels.triton_common import MIN_DOT, dot, ignore_triton_deprecation, pow2_at_least, triton_compiler_params
 
 # Aim for at least this many programs (about two per SM of an H100 / H200) when choosing the
 # column block, so a decode step's few experts still spread over the GPU.
@@ -36,21 +36,17 @@ MAX_BLOCK_M = 64
 BLOCK_K = 64
 
 
-def _pow2_at_least(n: int, floor: int = MIN_DOT) -> int:
-    return max(floor, pl.next_power_of_2(n))
-
-
 def block_sizes(rows: int, slots: int, k_dim: int, n_dim: int) -> tuple[int, int, int]:
     """(block_m, block_k, block_n) for `rows` sorted rows over `slots` non-empty-group slots.
 
     block_m: the average rows per slot, as a power of two in [16, 64]. block_n: the widest power of
     two up to 128 that still gives every slot's columns TARGET_PROGRAMS programs in all (down to
     16). block_k: 64, or K rounded up to a power of two when smaller."""
-    block_m = min(MAX_BLOCK_M, _pow2_at_least(-(-rows // max(slots, 1))))
-    block_n = min(MAX_BLOCK_N, _pow2_at_least(n_dim))
+    block_m = min(MAX_BLOCK_M, pow2_at_least(-(-rows // max(slots, 1))))
+    block_n = min(MAX_BLOCK_N, pow2_at_least(n_dim))
     while block_n > MIN_DOT and slots * -(-n_dim // block_n) < TARGET_PROGRAMS:
         block_n //= 2
-    return block_m, min(BLOCK_K, _pow2_at_least(k_dim)), block_n
+    return block_m, min(BLOCK_K, pow2_at_least(k_dim)), block_n
 
 
 def group_slots(group_sizes: jax.Array, n_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -98,7 +94,7 @@ def _grouped_kernel(
             for acc, w_ref in zip(accs, w_refs, strict=True):
                 at = w_ref.at[w_rows[:, None], cols[None, :]]
                 wb = pltriton.load(at, mask=w_mask, other=0.0) if (k_tail or n_tail) else at[...]
-                new.append(acc + _dot(xb, wb, contract_b=0))
+                new.append(acc + dot(xb, wb, contract_b=0))
             return tuple(new)
 
         zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
@@ -147,7 +143,7 @@ def grouped_matmul_pallas(
         in_specs=[whole(x.shape), *(whole(flat) for _ in weights), slot, slot, slot],
         out_specs=whole((p_rows, n_dim)),
         out_shape=jax.ShapeDtypeStruct((p_rows, n_dim), x.dtype),
-        compiler_params=_triton_compiler_params(num_warps, num_stages),
+        compiler_params=triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="grouped_glu" if len(weights) == 2 else "grouped_matmul",
     )

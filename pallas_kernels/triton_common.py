@@ -1,0 +1,70 @@
+"""What every Pallas kernel with the Triton lowering shares: tile-size rules, compiler params, the
+float32-exact dot, the deprecation filter, and the switch between a kernel and its XLA reference.
+"""
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Smallest M / K / N of a Triton tensor-core dot.
+MIN_DOT = 16
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def pow2_at_least(n: int, floor: int = MIN_DOT) -> int:
+    """The tile size a kernel computes `n` items with: the next power of two, at least `floor`
+    (Triton tensors have power-of-two dims; dots need >= MIN_DOT on every side)."""
+    return max(floor, pl.next_power_of_2(n))
+
+
+def triton_compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler params: `pallas.triton.CompilerParams` (jax 0.10-0.11), or the older
+    `pallas.gpu.TritonCompilerParams`. Their type is what selects the Triton backend."""
+    try:
+        from jax.experimental.pallas import triton as pl_triton
+    except ImportError:
+        from jax.experimental.pallas import gpu as pl_triton
+    params = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
+    return params(num_warps=num_warps, num_stages=num_stages)
+
+
+@contextlib.contextmanager
+def ignore_triton_deprecation():
+    """Silence jax >= 0.11's "Pallas Triton backend is deprecated" warning (it still works).
+
+    The warning fires when the pallas_call is lowered: eagerly that is inside a kernel's wrapper,
+    but under an outer `jax.jit` it is at the outer `.lower()`/first call, so the engine's compile
+    step should enter this context too.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+        yield
+
+
+def dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
+    """`a [M, K]` times `b` (`[K, N]` if contract_b == 0, `[N, K]` if 1) -> `[M, N]` float32.
+
+    lax.dot_general rather than `pl.dot`, which moved to `pallas.triton` in jax 0.10. float32
+    operands ask for HIGHEST precision so Triton uses an IEEE dot, not TF32.
+    """
+    dims = (((1,), (contract_b,)), ((), ()))
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def use_pallas(implementation: str, interpret: bool | None, valid: tuple[str, ...],
+               note: str = "") -> tuple[bool, bool]:
+    """(run the Pallas kernel?, interpret?) for an entry point's `implementation` among `valid`
+    ("xla" or "pallas"; anything else is refused, naming the valid ones and `note`). `interpret`
+    defaults to True when the default backend is CPU."""
+    if implementation not in valid:
+        raise ValueError(f"{implementation=} must be one of {valid}{note}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return implementation == "pallas", interpret
