@@ -22,7 +22,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # Compile for speed of compiling: the suite's tiny models spend most of their CPU time in XLA:CPU's
 # backend compile (test_loading.py alone: 59 of ~90 s, 82 executables), not in running them. These
 # flags cut that compile time 2.4x and the suite's CPU time about 2x (docs/testing.md); they change
-# code generation, not what is computed. Benchmarks and users never see them. Probed first in a
+# code generation (and so float32 rounding: see test_rollback.py below), not the operations
+# computed. Benchmarks and users never see them. Probed first in a
 # child process: an XLA that does not know one of them aborts at start-up.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                       "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_use_xnnpack=false",
