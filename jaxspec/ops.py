@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.attention import api as attention_api
+from pallas_kernels.attention import reference as attention_ref
 from pallas_kernels.gated_delta import api as gdn_api
 from pallas_kernels.gated_delta import reference as gdn_ref
 from pallas_kernels.moe import api as moe_api
@@ -30,11 +31,23 @@ def _interpret() -> bool:
 
 
 l2norm = gdn_ref.l2norm
+rms_norm = attention_ref.rms_norm
+rope = attention_ref.rope
 
 
 def write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid):
     """Scatter the step's K/V [R, T, nKV, D] into the page pools [N, page, nKV, D]."""
     return attention_api.write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid)
+
+
+def qk_norm_rope_write(qkv, q_norm, k_norm, k_pages, v_pages, block_tables, start_pos, num_valid, *, n_heads: int,
+                       q_stride: int, eps: float, zero_centered: bool, theta: float, rotary_dim: int, kernels: str):
+    """The merged projection qkv [R, T, nH * q_stride + 2 * nKV * D] -> (q [R, T, nH, D] after QK-norm and
+    RoPE, the pools with the span's K/V written); one launch with kernels="pallas"."""
+    return attention_api.qk_norm_rope_write(qkv, q_norm, k_norm, k_pages, v_pages, block_tables, start_pos, num_valid,
+                                            n_heads=n_heads, q_stride=q_stride, eps=eps, zero_centered=zero_centered,
+                                            theta=theta, rotary_dim=rotary_dim, implementation=kernels,
+                                            interpret=_interpret())
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, start_pos, num_valid, *, scale: float, kernels: str):

@@ -41,13 +41,8 @@ def weight_precision(fn):
     return traced
 
 
-def rms_norm(x, w, eps: float, zero_centered: bool):
-    """x [..., D], w [D]. Qwen3: w * norm(x) (cast before the scale, as HF); hybrids: norm(x) * (1 + w)."""
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if zero_centered:
-        return (y * (1.0 + w.astype(F32))).astype(x.dtype)
-    return w * y.astype(x.dtype)
+rms_norm = ops.rms_norm
+rope = ops.rope
 
 
 def rms_norm_gated(x, z, w, eps: float):
@@ -56,18 +51,6 @@ def rms_norm_gated(x, z, w, eps: float):
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     y = w * y.astype(w.dtype)
     return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(w.dtype)
-
-
-def rope(x, positions, theta: float, rotary_dim: int):
-    """NeoX rotate-half RoPE on the first rotary_dim dims. x [R, T, n, D], positions [R, T] int32."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))  # [rot/2]
-    freqs = positions.astype(F32)[..., None] * inv_freq  # [R, T, rot/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [R, T, 1, rot]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
 
 
 def linear(x, w, b=None):
@@ -228,35 +211,58 @@ def split_qkv(mixed, cfg: ModelConfig):
     return g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:].reshape(*lead, cfg.linear_num_value_heads, dv)
 
 
+def _merged_qkv(p, x):
+    """The q / k / v projections as one matmul, x [R, T, H] -> [R, T, Cq + 2 Ck] (q_proj's columns
+    first). XLA merges dots that share an input anyway; written merged, the result is one buffer
+    the attention prologue reads in place, where three slices of it would be copied first."""
+    w = jnp.concatenate([p["q"], p["k"], p["v"]], axis=1)
+    biases = [p.get(name + "_bias") for name in ("q", "k", "v")]
+    if all(b is None for b in biases):
+        return linear(x, w)
+    widths = (p["q"].shape[1], p["k"].shape[1], p["v"].shape[1])
+    return linear(x, w, jnp.concatenate([b if b is not None else jnp.zeros((n,), w.dtype)
+                                         for b, n in zip(biases, widths)]))
+
+
 def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
-    """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages)."""
+    """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages).
+
+    QK-norm, RoPE and the KV write run as one op (`ops.qk_norm_rope_write`) over the merged
+    projection. Under a mesh each device runs it on its shard's heads: q, k and v are projected
+    apart (their columns are sharded per head) and joined per device."""
     R, T, _ = x.shape
     nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(x, p["q"], p.get("q_bias"))
-    gate = None
-    if cfg.attn_output_gate:  # q_proj rows are interleaved per head: [q_h | gate_h]
-        q, gate = jnp.split(q.reshape(R, T, nH, 2 * D), 2, axis=-1)
-        gate = gate.reshape(R, T, nH * D)
-    q = q.reshape(R, T, nH, D)
-    k = linear(x, p["k"], p.get("k_bias")).reshape(R, T, nKV, D)
-    v = linear(x, p["v"], p.get("v_bias")).reshape(R, T, nKV, D)
-    if "q_norm" in p:  # QK-norm: every Qwen family; the Llama-style EAGLE-3 draft layer has none
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    positions = batch.start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T]
-    q = rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
-    k = rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
-    k, v = _cache_heads(k, cfg), _cache_heads(v, cfg)
-    heads, kv_heads, kv_axes = (None, None, "heads", None), (None, None, "cache_heads", None), sharding.KV_AXES
-    write = sharding.local(ops.write_kv, cfg, (kv_axes, kv_axes, kv_heads, kv_heads, None, None, None),
-                           [kv_axes, kv_axes])
-    k_pages, v_pages = write(kv[0], kv[1], k, v, batch.block_tables, batch.start_pos, batch.num_valid)
+    q_stride = 2 * D if cfg.attn_output_gate else D  # gated: q_proj rows are interleaved per head, [q_h | gate_h]
+    prologue = functools.partial(ops.qk_norm_rope_write, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm,
+                                 theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, kernels=kernels)
+    norms = (p.get("q_norm"), p.get("k_norm"))  # QK-norm: every Qwen family; the EAGLE-3 draft layer has none
+    if cfg.mesh is None:
+        qkv = _merged_qkv(p, x)
+        gate = qkv[..., :nH * q_stride].reshape(R, T, nH, q_stride)[..., D:] if cfg.attn_output_gate else None
+        q, k_pages, v_pages = prologue(qkv, *norms, kv[0], kv[1], batch.block_tables, batch.start_pos,
+                                       batch.num_valid, n_heads=nH, q_stride=q_stride)
+    else:
+        q = linear(x, p["q"], p.get("q_bias")).reshape(R, T, nH, q_stride)
+        q, gate = (q[..., :D], q[..., D:]) if cfg.attn_output_gate else (q, None)
+        k = _cache_heads(linear(x, p["k"], p.get("k_bias")).reshape(R, T, nKV, D), cfg)
+        v = _cache_heads(linear(x, p["v"], p.get("v_bias")).reshape(R, T, nKV, D), cfg)
+
+        def joined(q, k, v, *rest):  # per device: its heads' q, k, v as one merged projection
+            qkv = jnp.concatenate([a.reshape(R, T, -1) for a in (q, k, v)], axis=-1)
+            return prologue(qkv, *rest, n_heads=q.shape[2], q_stride=D)
+
+        heads, kv_heads, kv_axes = (None, None, "heads", None), (None, None, "cache_heads", None), sharding.KV_AXES
+        run = sharding.local(joined, cfg, (heads, kv_heads, kv_heads, None, None, kv_axes, kv_axes, None, None, None),
+                             [heads, kv_axes, kv_axes])
+        q, k_pages, v_pages = run(q, k, v, *norms, kv[0], kv[1], batch.block_tables, batch.start_pos,
+                                  batch.num_valid)
+    heads, kv_axes = (None, None, "heads", None), sharding.KV_AXES
     attend = sharding.local(functools.partial(ops.paged_attention, scale=D ** -0.5, kernels=kernels), cfg,
                             (heads, kv_axes, kv_axes, None, None, None), heads)
     o = attend(q, k_pages, v_pages, batch.block_tables, batch.start_pos, batch.num_valid)
     o = o.reshape(R, T, nH * D)
     if gate is not None:
-        o = o * jax.nn.sigmoid(gate)
+        o = o * jax.nn.sigmoid(gate.reshape(R, T, nH * D))
     return linear(o, p["o"], p.get("o_bias")), (k_pages, v_pages)
 
 

@@ -8,9 +8,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.kernel import ignore_triton_deprecation, padded_head_dim, paged_attention_pallas
 from pallas_kernels.attention.reference import paged_attention as paged_attention_xla
+from pallas_kernels.attention.prologue import qk_norm_rope_write_pallas
+from pallas_kernels.attention.reference import qk_norm_rope_write as qk_norm_rope_write_xla
 from pallas_kernels.attention.reference import write_kv
+from pallas_kernels.triton_common import use_pallas
 
-__all__ = ["ignore_triton_deprecation", "paged_attention", "write_kv"]
+__all__ = ["ignore_triton_deprecation", "paged_attention", "qk_norm_rope_write", "write_kv"]
 
 # "pallas" is the split-KV kernel (kernel.py); "pallas_onepass" the same kernel with one split per
 # (request, kv head) and no merge, the previous default, kept for A/B timing (benchmarks/kernels.py).
@@ -83,3 +86,17 @@ def _pallas_in_span_blocks(q, k_pages, v_pages, block_tables, start_pos, num_val
     tables = jnp.repeat(block_tables, nb, axis=0)  # [R * nb, P]: a few KiB
     out = paged_attention_pallas(rows, k_pages, v_pages, tables, starts, valid, **kw)
     return out.reshape(r, nb * block, nh, d)[:, :span]
+
+
+def qk_norm_rope_write(qkv, q_norm, k_norm, k_pages, v_pages, block_tables, start_pos, num_valid, *, n_heads: int,
+                       q_stride: int, eps: float, zero_centered: bool, theta: float, rotary_dim: int,
+                       implementation: str = "xla", interpret: bool | None = None):
+    """QK-norm + RoPE + KV write of a span (`reference.qk_norm_rope_write`): `implementation`
+    "xla" runs the reference, "pallas" the one-launch kernel (prologue.py)."""
+    pallas, interpret = use_pallas(implementation, interpret, ("xla", "pallas"))
+    args = (qkv, q_norm, k_norm, k_pages, v_pages, block_tables, start_pos, num_valid)
+    kw = dict(n_heads=n_heads, q_stride=q_stride, eps=eps, zero_centered=zero_centered, theta=theta,
+              rotary_dim=rotary_dim)
+    if not pallas:
+        return qk_norm_rope_write_xla(*args, **kw)
+    return qk_norm_rope_write_pallas(*args, **kw, interpret=interpret)

@@ -16,6 +16,34 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30
 
 
+F32 = jnp.float32
+
+
+def rms_norm(x, w, eps: float, zero_centered: bool):
+    """x [..., D], w [D]. Qwen3: w * norm(x) (cast before the scale, as HF); hybrids: norm(x) * (1 + w)."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if zero_centered:
+        return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+    return w * y.astype(x.dtype)
+
+
+def rope_inv_freq(theta: float, rotary_dim: int) -> jax.Array:
+    """The rotary frequencies [rotary_dim / 2] float32: theta ** (-2i / rotary_dim)."""
+    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))
+
+
+def rope(x, positions, theta: float, rotary_dim: int):
+    """NeoX rotate-half RoPE on the first rotary_dim dims. x [R, T, n, D], positions [R, T] int32."""
+    freqs = positions.astype(F32)[..., None] * rope_inv_freq(theta, rotary_dim)  # [R, T, rot/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [R, T, 1, rot]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+
 def span_positions(
     start_pos: jax.Array,  # [R] int32
     num_valid: jax.Array,  # [R] int32
@@ -61,6 +89,50 @@ def write_kv(
     k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype), mode="drop", unique_indices=True)
     v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype), mode="drop", unique_indices=True)
     return k_pages, v_pages
+
+
+def split_qkv(qkv: jax.Array, n_heads: int, n_kv: int, head_dim: int, q_stride: int):
+    """The merged q / k / v projection `[R, T, nH * q_stride + 2 * nKV * D]` -> q `[R, T, nH, D]`,
+    k and v `[R, T, nKV, D]`. Query head h owns columns `h * q_stride + [0, D)` (a gated model's
+    q_proj interleaves each head's gate after it: q_stride = 2D); the kv heads follow, D each."""
+    r, t, _ = qkv.shape
+    nq = n_heads * q_stride
+    q = qkv[..., :nq].reshape(r, t, n_heads, q_stride)[..., :head_dim]
+    k = qkv[..., nq:nq + n_kv * head_dim].reshape(r, t, n_kv, head_dim)
+    v = qkv[..., nq + n_kv * head_dim:nq + 2 * n_kv * head_dim].reshape(r, t, n_kv, head_dim)
+    return q, k, v
+
+
+def qk_norm_rope_write(
+    qkv: jax.Array,  # [R, T, nH * q_stride + 2 * nKV * D]
+    q_norm: jax.Array | None,  # [D] or None (no QK-norm)
+    k_norm: jax.Array | None,  # [D] or None
+    k_pages: jax.Array,  # [N, page_size, nKV, D]
+    v_pages: jax.Array,  # [N, page_size, nKV, D]
+    block_tables: jax.Array,  # [R, P] int32
+    start_pos: jax.Array,  # [R] int32
+    num_valid: jax.Array,  # [R] int32
+    *,
+    n_heads: int,
+    q_stride: int,
+    eps: float,
+    zero_centered: bool,
+    theta: float,
+    rotary_dim: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention layer's glue between its projection and the attention itself: QK-norm
+    (`rms_norm` per head, skipped when the norms are None), RoPE at the span's positions, and the
+    keys and values written to their pages (`write_kv`). Returns `(q [R, T, nH, D], k_pages,
+    v_pages)`; q is what `paged_attention` takes."""
+    _, _, n_kv, head_dim = k_pages.shape
+    q, k, v = split_qkv(qkv, n_heads, n_kv, head_dim, q_stride)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps, zero_centered)
+        k = rms_norm(k, k_norm, eps, zero_centered)
+    positions, _ = span_positions(start_pos, num_valid, qkv.shape[1])
+    q, k = rope(q, positions, theta, rotary_dim), rope(k, positions, theta, rotary_dim)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid)
+    return q, k_pages, v_pages
 
 
 def gather_context(
