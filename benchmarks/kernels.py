@@ -210,20 +210,21 @@ def _conv_fn(api, impl: str, reps: int):
 
 
 def _attn_pages(layout, B: int, context: int, reps: int, cache: dict):
-    """(k, v pools, pages per row, rotation), shared by every T and impl of one (B, context): each
-    rotation holds B rows of context + KMAX + 1 tokens; drawn on the device (GBs at 32k tokens)."""
+    """(k, v pools, pages per row, rotation), shared by every T and impl of one (layout, B, context):
+    each rotation holds B rows of context + KMAX + 1 tokens; drawn on the device (GBs at 32k tokens)."""
     import jax
     import jax.numpy as jnp
 
-    if (B, context) not in cache:
-        cache.clear()  # one (B, context) at a time: the pools may be GBs
+    key = (tuple(layout), B, context)  # the pools' head layout is part of the key (one cache may serve layouts)
+    if key not in cache:
+        cache.clear()  # one (layout, B, context) at a time: the pools may be GBs
         nH, nKV, D = layout
         P = -(-(context + KMAX + 1) // PAGE)
         rot = _rot(B * context * nKV * D * 2 * 2, reps)
         keys = jax.random.split(jax.random.PRNGKey(B * 100003 + context), 2)
         shape = (1 + rot * B * P, PAGE, nKV, D)
-        cache[(B, context)] = ([jax.random.normal(k, shape, jnp.bfloat16) for k in keys], P, rot)
-    return cache[(B, context)]
+        cache[key] = ([jax.random.normal(k, shape, jnp.bfloat16) for k in keys], P, rot)
+    return cache[key]
 
 
 def _attn_inputs(rng, layout, B: int, T: int, context: int, reps: int, cache: dict):

@@ -161,6 +161,17 @@ def test_kernel_sweep_smoke(smoke):
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
 
 
+def test_attention_pools_are_per_layout():
+    """One pool cache serves several head layouts (kernel_sweep runs them in turn): each layout
+    gets pools of its own shape, not the previous layout's."""
+    from benchmarks import kernels
+
+    cache = {}
+    for layout in ((4, 2, 32), (8, 4, 16)):
+        (k_pages, v_pages), _, _ = kernels._attn_pages(layout, 1, 16, 1, cache)
+        assert k_pages.shape[2:] == v_pages.shape[2:] == layout[1:]
+
+
 def test_peers_smoke(smoke):
     doc = smoke["json"]["peers"]
     _common_keys(doc, "peers")
