@@ -211,17 +211,22 @@ def split_qkv(mixed, cfg: ModelConfig):
     return g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:].reshape(*lead, cfg.linear_num_value_heads, dv)
 
 
-def _merged_qkv(p, x):
-    """The q / k / v projections as one matmul, x [R, T, H] -> [R, T, Cq + 2 Ck] (q_proj's columns
-    first). XLA merges dots that share an input anyway; written merged, the result is one buffer
-    the attention prologue reads in place, where three slices of it would be copied first."""
-    w = jnp.concatenate([p["q"], p["k"], p["v"]], axis=1)
-    biases = [p.get(name + "_bias") for name in ("q", "k", "v")]
-    if all(b is None for b in biases):
+def _merged_qkv(p, x, kernels: str):
+    """The q / k / v projections side by side, x [R, T, H] -> [R, T, Cq + 2 Ck] (q_proj's columns first).
+
+    For the Pallas prologue, one matmul over the concatenated weights: on the GPU XLA reads the
+    concatenation inside its gemm (it merges dots that share an input anyway), and the output is the
+    one buffer the kernel reads in place, where three slices of it would be copied first. The XLA
+    path concatenates the three outputs instead: its reference splits them again, and a backend
+    that does not fuse the weight concatenation into the matmul (XLA:CPU) would copy the weights on
+    every call."""
+    parts = [(p[name], p.get(name + "_bias")) for name in ("q", "k", "v")]
+    if kernels != "pallas":
+        return jnp.concatenate([linear(x, w, b) for w, b in parts], axis=-1)
+    w = jnp.concatenate([w for w, _ in parts], axis=1)
+    if all(b is None for _, b in parts):
         return linear(x, w)
-    widths = (p["q"].shape[1], p["k"].shape[1], p["v"].shape[1])
-    return linear(x, w, jnp.concatenate([b if b is not None else jnp.zeros((n,), w.dtype)
-                                         for b, n in zip(biases, widths)]))
+    return linear(x, w, jnp.concatenate([jnp.zeros((wi.shape[1],), w.dtype) if b is None else b for wi, b in parts]))
 
 
 def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
@@ -236,8 +241,9 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
     prologue = functools.partial(ops.qk_norm_rope_write, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm,
                                  theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, kernels=kernels)
     norms = (p.get("q_norm"), p.get("k_norm"))  # QK-norm: every Qwen family; the EAGLE-3 draft layer has none
+    heads, kv_heads, kv_axes = (None, None, "heads", None), (None, None, "cache_heads", None), sharding.KV_AXES
     if cfg.mesh is None:
-        qkv = _merged_qkv(p, x)
+        qkv = _merged_qkv(p, x, kernels)
         gate = qkv[..., :nH * q_stride].reshape(R, T, nH, q_stride)[..., D:] if cfg.attn_output_gate else None
         q, k_pages, v_pages = prologue(qkv, *norms, kv[0], kv[1], batch.block_tables, batch.start_pos,
                                        batch.num_valid, n_heads=nH, q_stride=q_stride)
@@ -251,12 +257,10 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
             qkv = jnp.concatenate([a.reshape(R, T, -1) for a in (q, k, v)], axis=-1)
             return prologue(qkv, *rest, n_heads=q.shape[2], q_stride=D)
 
-        heads, kv_heads, kv_axes = (None, None, "heads", None), (None, None, "cache_heads", None), sharding.KV_AXES
         run = sharding.local(joined, cfg, (heads, kv_heads, kv_heads, None, None, kv_axes, kv_axes, None, None, None),
                              [heads, kv_axes, kv_axes])
         q, k_pages, v_pages = run(q, k, v, *norms, kv[0], kv[1], batch.block_tables, batch.start_pos,
                                   batch.num_valid)
-    heads, kv_axes = (None, None, "heads", None), sharding.KV_AXES
     attend = sharding.local(functools.partial(ops.paged_attention, scale=D ** -0.5, kernels=kernels), cfg,
                             (heads, kv_axes, kv_axes, None, None, None), heads)
     o = attend(q, k_pages, v_pages, batch.block_tables, batch.start_pos, batch.num_valid)

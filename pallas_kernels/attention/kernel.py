@@ -45,6 +45,7 @@ from pallas_kernels.triton_common import (
     triton_compiler_params,
 )
 
+
 def padded_head_dim(d: int) -> int:
     """The head dim the kernel computes with: the next power of two, at least MIN_DOT."""
     return pow2_at_least(d)
