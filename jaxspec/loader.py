@@ -40,7 +40,7 @@ class Model:
     max_model_len: int = 2048
     max_num_seqs: int = 8
     prefill_chunk: int = 64
-    prefill_rows: int | str = "auto"  # requests whose prompt chunks share one prefill call; "auto" = min(8, max_num_seqs)
+    prefill_rows: int | str = "auto"  # requests sharing one prefill call; "auto" = min(8, max_num_seqs)
     page_size: int = 16
     request_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
     max_num_speculative_tokens: int = 0  # sizes GDN state slots; 0 = sized by each call's k

@@ -31,6 +31,7 @@ def _interpret() -> bool:
 
 
 l2norm = gdn_ref.l2norm
+gdn_inputs = gdn_ref.gdn_inputs
 rms_norm = attention_ref.rms_norm
 rope = attention_ref.rope
 
@@ -60,6 +61,13 @@ def gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid
     """Recurrent GDN over T tokens with a state snapshot per token (decode is T = 1)."""
     return gdn_api.gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
                               implementation=kernels, interpret=_interpret())
+
+
+def gdn_verify_mixed(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):
+    """`gdn_verify` from the conv output mixed [R, T, C] and the gate projections a, b [R, T, HV] (with
+    A_log, dt_bias [HV]); kernels="pallas" normalises and gates inside the recurrence kernel."""
+    return gdn_api.gdn_verify_mixed(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
+                                    implementation=kernels, interpret=_interpret())
 
 
 def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):

@@ -202,15 +202,6 @@ def _cache_heads(x, cfg: ModelConfig):
     return x if n == cfg.num_key_value_heads else jnp.repeat(x, n // cfg.num_key_value_heads, axis=2)
 
 
-def split_qkv(mixed, cfg: ModelConfig):
-    """GDN channels grouped per key head h, [q_h (dk) | k_h (dk) | v_h (r*dv)] (docs/architecture.md)
-    -> q, k [..., HK, dk], v [..., HV, dv]; value head j = h*r + i belongs to key head h."""
-    HK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    lead = mixed.shape[:-1]
-    g = mixed.reshape(*lead, HK, mixed.shape[-1] // HK)
-    return g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:].reshape(*lead, cfg.linear_num_value_heads, dv)
-
-
 def _merged_qkv(p, x, kernels: str):
     """The q / k / v projections side by side, x [R, T, H] -> [R, T, Cq + 2 Ck] (q_proj's columns first).
 
@@ -276,8 +267,14 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
     "prefill" runs the chunked form and keeps only the final state."""
     R, T, _ = x.shape
     HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = x @ p["qkv"]  # [R, T, conv_dim], channels grouped per key head (split_qkv)
-    z = (x @ p["z"]).reshape(R, T, HV, dv)
+    if cfg.mesh is None and kernels == "pallas":
+        # One gemm over [qkv | z]: the conv kernel reads its channels in place, where a slice of the
+        # merged output (XLA merges the two dots anyway) was copied for it.
+        mixed = x @ jnp.concatenate([p["qkv"], p["z"]], axis=1)
+        z = mixed[..., p["qkv"].shape[1]:]
+    else:
+        mixed, z = x @ p["qkv"], x @ p["z"]  # conv channels grouped per key head (ops.gdn_inputs)
+    z = z.reshape(R, T, HV, dv)
     b = narrow_linear(x, p["b"])  # [R, T, HV]
     a = narrow_linear(x, p["a"])
     has_state = batch.start_pos > 0
@@ -287,22 +284,19 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
                                  [channels, sharding.CONV_AXES])
     mixed, conv = conv_update(mixed, conv, p["conv"], batch.conv_read, batch.conv_offset, batch.conv_write,
                               has_state, batch.num_valid)
-    q, k, v = split_qkv(mixed, cfg)
-    q = ops.l2norm(q.astype(F32)) * dk ** -0.5
-    k = ops.l2norm(k.astype(F32))
-    beta = jax.nn.sigmoid(b).astype(F32)
-    g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"].astype(F32))
-    read = batch.state_read
-    step_axes = (heads4, heads4, heads4, heads3, heads3, sharding.SSM_AXES, None, None, None, None)
+    read, num_valid, gate_inputs = batch.state_read, batch.num_valid, (a, b, p["A_log"], p["dt_bias"])
     if mode == "verify":
         steps = jnp.arange(T, dtype=jnp.int32)[None, :]
         write = jnp.where(batch.state_write[:, None] > 0, batch.state_write[:, None] + steps, 0)  # [R, T]
-        run = sharding.local(functools.partial(ops.gdn_verify, kernels=kernels), cfg, step_axes,
-                             [heads4, sharding.SSM_AXES])
-        o, ssm = run(q, k, v, g, beta, ssm, read, write, has_state, batch.num_valid)
+        run = sharding.local(functools.partial(ops.gdn_verify_mixed, kernels=kernels), cfg,
+                             (channels, heads3, heads3, ("gdn_heads",), ("gdn_heads",), sharding.SSM_AXES)
+                             + (None,) * 4, [heads4, sharding.SSM_AXES])
+        o, ssm = run(mixed, *gate_inputs, ssm, read, write, has_state, num_valid)
     else:
+        step_axes = (heads4, heads4, heads4, heads3, heads3, sharding.SSM_AXES, None, None, None, None)
         run = sharding.local(functools.partial(ops.gdn_prefill, kernels=kernels), cfg, step_axes,
                              [heads4, sharding.SSM_AXES])
-        o, ssm = run(q, k, v, g, beta, ssm, read, batch.state_write, has_state, batch.num_valid)
+        o, ssm = run(*ops.gdn_inputs(mixed, *gate_inputs, dk=dk, dv=dv), ssm, read, batch.state_write, has_state,
+                     num_valid)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(R, T, HV * dv)
     return o @ p["out"], ssm, conv

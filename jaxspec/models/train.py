@@ -21,7 +21,7 @@ from jaxspec.config import FULL, ModelConfig
 from jaxspec.models import layers
 from jaxspec.models.model import logits_from_hidden
 from pallas_kernels.gated_delta import reference as gdn_ref
-from pallas_kernels.gated_delta.reference import causal_conv1d, l2norm
+from pallas_kernels.gated_delta.reference import causal_conv1d
 
 F32 = jnp.float32
 MASK_VALUE = -1e30
@@ -100,17 +100,12 @@ def gated_delta_net(p, cfg: ModelConfig, x):
     B, T, _ = x.shape
     HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     K = cfg.linear_conv_kernel_dim
-    mixed = x @ p["qkv"]  # [B, T, conv_dim], channels grouped per key head (layers.split_qkv)
+    mixed = x @ p["qkv"]  # [B, T, conv_dim], channels grouped per key head (reference.split_heads)
     z = (x @ p["z"]).reshape(B, T, HV, dv)
     b = x @ p["b"]  # [B, T, HV]
     a = x @ p["a"]
     mixed, _ = causal_conv1d(mixed, p["conv"], jnp.zeros((B, K - 1, mixed.shape[-1]), mixed.dtype))
-    q, k, v = layers.split_qkv(mixed, cfg)
-    q = l2norm(q) * dk ** -0.5
-    k = l2norm(k)
-    beta = jax.nn.sigmoid(b).astype(F32)
-    g = -jnp.exp(p["A_log"].astype(F32)) * jax.nn.softplus(a.astype(F32) + p["dt_bias"].astype(F32))
-    o = chunk_gated_delta(q, k, v, g, beta)  # [B, T, HV, dv] f32
+    o = chunk_gated_delta(*gdn_ref.gdn_inputs(mixed, a, b, p["A_log"], p["dt_bias"], dk=dk, dv=dv))  # f32
     o = layers.rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(B, T, HV * dv)
     return o @ p["out"]
 

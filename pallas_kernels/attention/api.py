@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.kernel import ignore_triton_deprecation, padded_head_dim, paged_attention_pallas
-from pallas_kernels.attention.reference import paged_attention as paged_attention_xla
 from pallas_kernels.attention.prologue import qk_norm_rope_write_pallas
+from pallas_kernels.attention.reference import paged_attention as paged_attention_xla
 from pallas_kernels.attention.reference import qk_norm_rope_write as qk_norm_rope_write_xla
 from pallas_kernels.attention.reference import write_kv
 from pallas_kernels.triton_common import use_pallas

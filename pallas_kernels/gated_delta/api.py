@@ -11,11 +11,11 @@ import jax.numpy as jnp
 from pallas_kernels.gated_delta import reference
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
-from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+from pallas_kernels.gated_delta.recurrent import default_block_v, gdn_verify_mixed_pallas, gdn_verify_pallas, mixed_fits
 from pallas_kernels.gated_delta.recurrent_mosaic import gdn_verify_mosaic
 from pallas_kernels.triton_common import MIN_DOT, use_pallas
 
-__all__ = ["conv_update", "gdn_prefill", "gdn_verify"]
+__all__ = ["conv_update", "gdn_prefill", "gdn_verify", "gdn_verify_mixed"]
 
 IMPLEMENTATIONS = ("xla", "pallas")
 # The verify recurrence also has a Mosaic GPU kernel, measured against the Triton one
@@ -82,6 +82,24 @@ def gdn_verify(
     return reference.gdn_verify(*args)
 
 
+def gdn_verify_mixed(
+    mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
+    *, implementation: str = "xla", interpret: bool | None = None,
+):
+    """`gdn_verify` from the conv output: mixed [B, T, HK * (2 dk + r dv)] (channels grouped per key
+    head), the a / b projections [B, T, HV], A_log and dt_bias [HV]; dk, dv are the pool's. Pallas
+    runs the normalisation and gates inside the recurrence kernel (`gdn_verify_mixed_pallas`) when
+    the heads tile in place (`mixed_fits`), else they run as XLA ops before the padded kernel."""
+    pallas, interpret = _use_pallas(implementation, interpret)
+    hv, dk, dv = pool.shape[1:]
+    if pallas and mixed_fits(dk, dv, default_block_v(mixed.shape[0], hv, dv)):
+        return gdn_verify_mixed_pallas(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
+                                       interpret=interpret)
+    inputs = reference.gdn_inputs(mixed, a, b, a_log, dt_bias, dk=dk, dv=dv)
+    return gdn_verify(*inputs, pool, read_idx, write_idx, has_state, num_valid, implementation=implementation,
+                      interpret=interpret)
+
+
 # Measured on the H200 (B=2, T=200, HV=16, dk=dv=128; docs/benchmarks.md): chunk 64 with 4 warps
 # took 3.56 ms, chunk 16 with block_v 16 took 0.20 ms (the intra-chunk forward substitution is
 # serial in the chunk size), all within 1e-6 relative RMS of the reference.
@@ -109,8 +127,9 @@ def conv_update(
     x, lines, weight, read_row, offset, write_row, has_state, num_valid,
     *, mode: str, implementation: str = "xla", interpret: bool | None = None,
 ):
-    """Causal depthwise conv + SiLU over x [B, T, C] from the window lines[read_row, offset:] of
-    lines [N, L, C]; the new window goes to lines[write_row]. Returns (y [B, T, C], lines)."""
+    """Causal depthwise conv + SiLU over the first C channels of x [B, T, C' >= C] from the window
+    lines[read_row, offset:] of lines [N, L, C]; the new window goes to lines[write_row]. Returns
+    (y [B, T, C], lines)."""
     args = (x, lines, weight, read_row, offset, write_row, has_state, num_valid)
     pallas, interpret = _use_pallas(implementation, interpret)
     if pallas:

@@ -120,12 +120,13 @@ def _check(x, lines, weight, mode: str):
         raise ValueError(f"line length {n_line=} must be >= K-1 = {kw - 1}")
     if mode == "verify" and kw - 2 + n_tok > n_line:
         raise ValueError(f"verify needs K-2+T <= L, got K={kw}, T={n_tok}, L={n_line}")
-    if x.shape[2] != lines.shape[2] or weight.shape[1] != x.shape[2]:
-        raise ValueError(f"channel mismatch: x {x.shape}, lines {lines.shape}, weight {weight.shape}")
+    if x.shape[2] < lines.shape[2] or weight.shape[1] != lines.shape[2]:
+        raise ValueError(f"channel mismatch: x {x.shape} (at least the lines' channels), lines {lines.shape}, "
+                         f"weight {weight.shape}")
 
 
 def conv_update_pallas(
-    x: jax.Array,  # [B, T, C] raw (pre-conv) inputs
+    x: jax.Array,  # [B, T, C'] raw (pre-conv) inputs; channels C' > C past the lines' are not read
     lines: jax.Array,  # [N, L, C] conv lines, L = (K-1) + k_max; line 0 is the null line
     weight: jax.Array,  # [K, C]
     read_row: jax.Array,  # [B] int32
@@ -148,8 +149,8 @@ def conv_update_pallas(
     any one of them.
     """
     _check(x, lines, weight, mode)
-    b, n_tok, channels = x.shape
-    n_lines, n_line, _ = lines.shape
+    b, n_tok, _ = x.shape
+    n_lines, n_line, channels = lines.shape
     kw = weight.shape[0]
     bc = _channel_block(channels, block_c)
     bt = min(block_t, pl.next_power_of_2(max(n_tok - (kw - 1), 1)))
@@ -166,7 +167,7 @@ def conv_update_pallas(
             *[scalar_spec] * 5,  # read_row, offset, write_row, has_state, num_valid
         ],
         out_specs=[rows_spec, lines_spec],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(lines.shape, lines.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((b, n_tok, channels), x.dtype), jax.ShapeDtypeStruct(lines.shape, lines.dtype)],
         input_output_aliases={2: 1},
         compiler_params=triton_compiler_params(num_warps, num_stages=1),
         interpret=interpret,

@@ -14,6 +14,11 @@ it is bandwidth bound on the state (1 read + T writes of `[dk, dv]` per head).
 
 Value head j reads key head j // (HV // HK) (GVA). Tokens t >= num_valid[b] are inert: their
 q/k/v/g/beta are zeroed (as the reference does), so the state is unchanged and o_t = 0.
+
+`gdn_verify_mixed_pallas` runs the same recurrence with the layer's glue inside (the contract of
+`reference.gdn_verify_mixed`): it reads q, k and v in place from the conv output and computes the
+q / k L2 norms and the gates g, beta of each token in registers, where XLA ran split, norm and gate
+kernels between the conv and the recurrence (docs/benchmarks.md, "GDN glue inside the recurrence").
 """
 
 import functools
@@ -23,9 +28,33 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.gated_delta import reference
 from pallas_kernels.triton_common import ignore_triton_deprecation, is_pow2, triton_compiler_params
 
 F32 = jnp.float32
+
+
+def _recur(h, tokens, o_ref, pool_out_ref, write_ref):
+    """Run the steps from the start tile h [dk, BV] over tokens[t] = (q, k, v, g, beta) in float32.
+
+    The steps are unrolled (T = 1 + k is static) and every token's inputs are built before the first
+    step: nothing in them depends on the state, so their loads (and the fused kernel's norms) are
+    issued ahead of the chain of state updates instead of each paying its latency inside the chain."""
+    for t, (q, k, v, g, beta) in enumerate(tokens):
+        h = h * jnp.exp(g)
+        pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
+        h = h + k[:, None] * (beta * (v - pred))[None, :]
+        o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
+        pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
+
+
+def _start(pool_ref, read_ref, has_ref, barrier: bool):
+    """The start tile pool[read] in float32 (zeros without a state), held before any snapshot is stored."""
+    h = pool_ref[read_ref[0]].astype(F32)  # [dk, BV]
+    h = jnp.where(has_ref[0] != 0, h, 0.0)
+    if barrier:  # every thread holds its part of the start tile before any snapshot is stored
+        pltriton.debug_barrier()
+    return h
 
 
 def _verify_kernel(
@@ -44,27 +73,44 @@ def _verify_kernel(
     *,
     barrier: bool,
 ):
-    n_valid = valid_ref[0]
-    h = pool_ref[read_ref[0]].astype(F32)  # [dk, BV]
-    h = jnp.where(has_ref[0] != 0, h, 0.0)
-    if barrier:  # every thread holds its part of the start tile before any snapshot is stored
-        pltriton.debug_barrier()
+    h = _start(pool_ref, read_ref, has_ref, barrier)
 
-    # The T steps are unrolled (T = 1 + k is static): no load of a token depends on the
-    # state, so the compiler issues every token's q / k / v / g / beta and write slot ahead of the
-    # chain of state updates instead of paying a global-load latency per step.
-    for t in range(q_ref.shape[0]):
-        live = t < n_valid
+    def token(t):  # token t's inputs in float32, zero for an inert token
+        live = t < valid_ref[0]
+        return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
 
-        def load(ref):  # token t of ref in float32, zero for an inert token
-            return jnp.where(live, ref[t].astype(F32), 0.0)
+    _recur(h, [token(t) for t in range(q_ref.shape[0])], o_ref, pool_out_ref, write_ref)
 
-        q, k, v, g, beta = (load(r) for r in (q_ref, k_ref, v_ref, g_ref, beta_ref))
-        h = h * jnp.exp(g)
-        pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
-        h = h + k[:, None] * (beta * (v - pred))[None, :]
-        o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
-        pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
+
+def _verify_mixed_kernel(
+    q_ref,  # [T, dk]        the conv output's q channels of key head h // r (raw)
+    k_ref,  # [T, dk]        its k channels (raw)
+    v_ref,  # [T, BV]        this value head's channels, this V-block
+    a_ref,  # [T]            a projection of this value head
+    b_ref,  # [T]            b projection
+    a_log_ref,  # [1]        A_log of this value head
+    dt_bias_ref,  # [1]      dt_bias of this value head
+    pool_ref, read_ref, write_ref, has_ref, valid_ref, o_ref, pool_out_ref,  # as _verify_kernel
+    *,
+    barrier: bool,
+):
+    h = _start(pool_ref, read_ref, has_ref, barrier)
+    dk = q_ref.shape[1]
+    decay = -jnp.exp(a_log_ref[0].astype(F32))
+    dt_bias = dt_bias_ref[0].astype(F32)
+
+    def l2norm(x):  # reference.l2norm of a [dk] row
+        return x * jax.lax.rsqrt(jnp.sum(x * x) + 1e-6)
+
+    def token(t):  # reference.gdn_inputs for token t, zero for an inert token
+        live = t < valid_ref[0]
+        q, k, v, a, b = (jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, a_ref, b_ref))
+        x = a + dt_bias
+        g = jnp.where(live, decay * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))), 0.0)  # softplus
+        beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-b)), 0.0)  # sigmoid
+        return l2norm(q) * dk ** -0.5, l2norm(k), v, g, beta
+
+    _recur(h, [token(t) for t in range(q_ref.shape[0])], o_ref, pool_out_ref, write_ref)
 
 
 # V-block width: 32 columns; 64 once the grid has this many programs at 64 columns. Busy time per
@@ -88,6 +134,31 @@ def _check(q, v, pool, block_v: int):
         raise ValueError(f"pool shape {pool.shape} must be [S, {hv}, {dk}, {dv}]")
     if not (is_pow2(dk) and is_pow2(block_v) and dv % block_v == 0):
         raise ValueError(f"{dk=} and {block_v=} must be powers of two, block_v dividing {dv=} (Triton tiles)")
+
+
+def _call(kernel, inputs, in_specs, pool, step, *, grid, o_shape, block_v: int, num_warps: int, interpret: bool,
+          name: str):
+    """The verify pallas_call: `inputs` with their `in_specs`, then the pool and the step scalars
+    (read_idx [B], write_idx [B, T], has_state [B], num_valid [B]); o [B, T, HV, dv] float32 and the
+    pool aliased in place."""
+    t, dk = o_shape[1], pool.shape[2]
+    pool_spec = pl.BlockSpec((pool.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+    scalar_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
+    out_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
+    call = pl.pallas_call(
+        functools.partial(kernel, barrier=not interpret),
+        grid=grid,
+        in_specs=[*in_specs, pool_spec, scalar_spec, pl.BlockSpec((None, t), lambda i, h, j: (i, 0)), scalar_spec,
+                  scalar_spec],
+        out_specs=[out_spec, pool_spec],
+        out_shape=[jax.ShapeDtypeStruct(o_shape, F32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+        input_output_aliases={len(inputs): 1},
+        compiler_params=triton_compiler_params(num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )
+    with ignore_triton_deprecation():
+        return call(*inputs, pool, *(x.astype(jnp.int32) for x in step))
 
 
 def gdn_verify_pallas(
@@ -118,37 +189,62 @@ def gdn_verify_pallas(
     block_v = block_v or default_block_v(b, hv, dv)
     _check(q, v, pool, block_v)
     r = hv // hk
-    n_slots = pool.shape[0]
     key_spec = pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, 0))
     value_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
     gate_spec = pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h))
-    pool_spec = pl.BlockSpec((n_slots, None, dk, block_v), lambda i, h, j: (0, h, 0, j))
-    scalar_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
-    call = pl.pallas_call(
-        functools.partial(_verify_kernel, barrier=not interpret),
-        grid=(b, hv, dv // block_v),
-        in_specs=[
-            key_spec,  # q
-            key_spec,  # k
-            value_spec,  # v
-            gate_spec,  # g
-            gate_spec,  # beta
-            pool_spec,  # pool
-            scalar_spec,  # read_idx
-            pl.BlockSpec((None, t), lambda i, h, j: (i, 0)),  # write_idx
-            scalar_spec,  # has_state
-            scalar_spec,  # num_valid
-        ],
-        out_specs=[value_spec, pool_spec],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, F32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-        input_output_aliases={5: 1},
-        compiler_params=triton_compiler_params(num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_verify",
-    )
-    i32 = jnp.int32
-    with ignore_triton_deprecation():
-        return call(
-            q, k, v, g, beta, pool,
-            read_idx.astype(i32), write_idx.astype(i32), has_state.astype(i32), num_valid.astype(i32),
-        )
+    return _call(_verify_kernel, (q, k, v, g, beta), [key_spec, key_spec, value_spec, gate_spec, gate_spec], pool,
+                 (read_idx, write_idx, has_state, num_valid), grid=(b, hv, dv // block_v), o_shape=v.shape,
+                 block_v=block_v, num_warps=num_warps, interpret=interpret, name="gdn_verify")
+
+
+def mixed_fits(dk: int, dv: int, block_v: int) -> bool:
+    """Whether `gdn_verify_mixed_pallas` reads these heads in place: dk and block_v powers of two,
+    block_v dividing dv and 2 dk (a value head's columns start on a V-block boundary)."""
+    return is_pow2(dk) and is_pow2(block_v) and dv % block_v == 0 and (2 * dk) % block_v == 0
+
+
+def gdn_verify_mixed_pallas(
+    mixed: jax.Array,  # [B, T, HK * (2 dk + r dv)] conv output, channels grouped per key head
+    a: jax.Array,  # [B, T, HV] a projection (pre-activation)
+    b: jax.Array,  # [B, T, HV] b projection (pre-activation)
+    a_log: jax.Array,  # [HV]
+    dt_bias: jax.Array,  # [HV]
+    pool: jax.Array,  # [S, HV, dk, dv] float32 state pool (slot 0 = null slot)
+    read_idx: jax.Array,  # [B] int32
+    write_idx: jax.Array,  # [B, T] int32
+    has_state: jax.Array,  # [B] bool
+    num_valid: jax.Array,  # [B] int32
+    *,
+    interpret: bool = False,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array]:
+    """`gdn_verify_pallas` with the layer's glue inside: same contract as `reference.gdn_verify_mixed`.
+
+    Each program reads its key head's q / k channels and its value head's V-block straight from the
+    conv output (no split copies), L2-normalises q and k and computes g and beta per token in
+    registers (the normalisation is repeated by the r * dv / block_v programs that share a key head:
+    dk multiply-adds per token each). dk, dv come from the pool; `block_v` as `gdn_verify_pallas`,
+    also dividing 2 dk (`mixed_fits`)."""
+    batch, t, channels = mixed.shape
+    hv, dk, dv = pool.shape[1:]
+    hk = reference.key_heads(channels, hv, dk, dv)
+    block_v = block_v or default_block_v(batch, hv, dv)
+    if not mixed_fits(dk, dv, block_v):
+        raise ValueError(f"{dk=} and {block_v=} must be powers of two, block_v dividing {dv=} and 2 * dk (Triton "
+                         "tiles reading the conv output in place)")
+    for name, x, shape in (("a", a, (batch, t, hv)), ("b", b, (batch, t, hv)), ("a_log", a_log, (hv,)),
+                           ("dt_bias", dt_bias, (hv,))):
+        if x.shape != shape:
+            raise ValueError(f"{name} shape {x.shape} must be {shape} for mixed {mixed.shape} and pool {pool.shape}")
+    r, vb = hv // hk, dv // block_v
+    first_v = 2 * dk // block_v  # V-block index of a key head's first value column
+    key_spec = lambda part: pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, part))  # noqa: E731
+    value_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h // r, first_v + (h % r) * vb + j))
+    gate_spec = pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h))
+    head_spec = pl.BlockSpec((1,), lambda i, h, j: (h,))
+    grouped = mixed.reshape(batch, t, hk, channels // hk)
+    return _call(_verify_mixed_kernel, (grouped, grouped, grouped, a, b, a_log, dt_bias),
+                 [key_spec(0), key_spec(1), value_spec, gate_spec, gate_spec, head_spec, head_spec], pool,
+                 (read_idx, write_idx, has_state, num_valid), grid=(batch, hv, vb), o_shape=(batch, t, hv, dv),
+                 block_v=block_v, num_warps=num_warps, interpret=interpret, name="gdn_verify_mixed")

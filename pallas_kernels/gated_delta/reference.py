@@ -240,7 +240,8 @@ def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_va
     """Conv step on the per-request sliding-window lines (docs/model_math.md#conv-window-under-speculation).
 
     Args:
-      x: [B, T, C] raw inputs of this step.
+      x: [B, T, C'] raw inputs of this step; only the first C channels are read (C' > C: the conv's
+        input is the leading part of a wider projection, e.g. merged with the z projection).
       lines: [N, L, C] conv lines, L = (K-1) + k_max; line 0 is the null line.
       weight: [K, C] depthwise weights (K >= 2).
       read_row: [B] int32 line holding each request's window (0 for padding rows).
@@ -258,6 +259,9 @@ def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_va
     K, T, L = weight.shape[0], x.shape[1], lines.shape[1]
     if K < 2:
         raise ValueError(f"conv kernel size {K=} must be >= 2")
+    if x.shape[2] < lines.shape[2]:
+        raise ValueError(f"x has {x.shape[2]} channels, fewer than the lines' {lines.shape[2]}")
+    x = x[..., :lines.shape[2]]
     old = lines[read_row]  # [B, L, C]
     window = _rows_slice(old, jnp.maximum(offset, 0), K - 1)  # [B, K-1, C]
     window = jnp.where(has_state[:, None, None], window, jnp.zeros_like(window))
@@ -326,6 +330,54 @@ def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_vali
     h0 = _read_state(pool, read_idx, has_state)
     o, h_final = chunk_gated_delta(*_mask_inert(q, k, v, g, beta, num_valid), h0, chunk_size=chunk_size)
     return o, set_rows(pool, write_idx, h_final.astype(pool.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# From the conv's output: the layer's glue before the recurrence
+# ----------------------------------------------------------------------------------------------
+
+
+def key_heads(channels: int, num_v_heads: int, dk: int, dv: int) -> int:
+    """HK of a conv output with `channels` = HK * 2 dk + HV * dv channels (HV a multiple of HK)."""
+    hk, rest = divmod(channels - num_v_heads * dv, 2 * dk)
+    if rest or hk <= 0 or num_v_heads % hk:
+        raise ValueError(f"{channels=} is not HK * 2 * {dk} + {num_v_heads} * {dv} with {num_v_heads} value heads a "
+                         "multiple of HK key heads")
+    return hk
+
+
+def split_heads(mixed, num_v_heads: int, dk: int, dv: int):
+    """The conv output mixed [B, T, C], channels grouped per key head h as [q_h (dk) | k_h (dk) | v_h (r dv)]
+    where v_h holds value heads h r .. h r + r - 1 (r = HV / HK) -> q, k [B, T, HK, dk], v [B, T, HV, dv]."""
+    hk = key_heads(mixed.shape[-1], num_v_heads, dk, dv)
+    g = mixed.reshape(*mixed.shape[:-1], hk, mixed.shape[-1] // hk)
+    return g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:].reshape(*mixed.shape[:-1], num_v_heads, dv)
+
+
+def gates(a, b, a_log, dt_bias):
+    """Per-token gates from the a / b projections [B, T, HV] and the per-head A_log, dt_bias [HV]:
+    g = -exp(A_log) softplus(a + dt_bias) (log decay, <= 0) and beta = sigmoid(b), both computed in
+    float32 from the projections as given. (HF rounds a bfloat16 beta back to bfloat16; that rounding
+    is not kept: XLA:CPU expands a bfloat16 sigmoid into steps that each round, and XLA's GPU
+    compiler drops a float32 -> bfloat16 -> float32 round trip, so it would differ per backend.)"""
+    beta = jax.nn.sigmoid(b.astype(F32))
+    g = -jnp.exp(a_log.astype(F32)) * jax.nn.softplus(a.astype(F32) + dt_bias.astype(F32))
+    return g, beta
+
+
+def gdn_inputs(mixed, a, b, a_log, dt_bias, *, dk: int, dv: int):
+    """The recurrence's inputs from the conv output and the gate projections: q, k L2-normalised
+    (q scaled by dk**-0.5) float32 [B, T, HK, dk], v [B, T, HV, dv] in mixed's dtype, g, beta float32."""
+    q, k, v = split_heads(mixed, a.shape[-1], dk, dv)
+    g, beta = gates(a, b, a_log, dt_bias)
+    return l2norm(q) * dk ** -0.5, l2norm(k), v, g, beta
+
+
+def gdn_verify_mixed(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid):
+    """`gdn_verify` on `gdn_inputs(mixed, a, b, a_log, dt_bias)`; dk, dv are the pool's [S, HV, dk, dv]."""
+    dk, dv = pool.shape[2:]
+    return gdn_verify(*gdn_inputs(mixed, a, b, a_log, dt_bias, dk=dk, dv=dv), pool, read_idx, write_idx,
+                      has_state, num_valid)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,33 +83,38 @@ def i32(*xs):
 # ----------------------------------------------------------------------------------------------
 
 
-def check_verify(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
+def verify_rounds(rng, T: int, hv: int, dk: int, dv: int, new_inputs, both):
     """Rows: request A (all T tokens valid), B (T - 2 valid), C (fresh, has_state False), padding.
     Round 1 reads slots holding junk states; round 2 runs once per acceptance count a = 1..T, with
-    A reading its snapshot base_A + a - 1 (B and C likewise, clipped to their valid tokens)."""
-    rng = np.random.default_rng(seed)
-    T, hv = 1 + k, hk * r
+    A reading its snapshot base_A + a - 1 (B and C likewise, clipped to their valid tokens).
+    new_inputs(num_valid) -> a step's inputs; both(inputs, pool, (read, write, has_state, num_valid))
+    checks the kernel and returns the reference's pool."""
     bases = [1, 1 + T, 1 + 2 * T]  # engine slots 1..3 own state slots base .. base + T - 1
     num_valid = [T, max(1, T - 2), T, 0]
     pool = jnp.asarray(rng.standard_normal((1 + 3 * T, hv, dk, dv)) * 0.5, jnp.float32)
     write = jnp.asarray([[b + t for t in range(T)] for b in bases] + [[0] * T], jnp.int32)
-    has_state = jnp.asarray([True, True, False, False])
-    heads = {"hk": hk, "hv": hv, "dk": dk, "dv": dv, "dtype": dtype}
-    kw = {"interpret": interpret, "block_v": block_v}
+    first = (i32(bases[0] + T - 1, bases[1], 0, 0), write, jnp.asarray([True, True, False, False]), i32(*num_valid))
+    pool = both(new_inputs(num_valid), pool, first)
+    inputs = new_inputs(num_valid)
+    for a in range(1, T + 1):
+        read = i32(*(base + min(a, n) - 1 for base, n in zip(bases, num_valid[:3], strict=True)), 0)
+        both(inputs, pool, (read, write, jnp.asarray([True, True, True, False]), i32(*num_valid)))
 
-    def both(inputs, read, has):
-        args = (*inputs, pool, read, write, has, i32(*num_valid))
-        got, want = verify_pallas(*args, **kw), verify_ref(*args)
+
+def check_verify(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
+    """`verify_rounds` of the Pallas kernel against the reference."""
+    rng = np.random.default_rng(seed)
+    T, hv = 1 + k, hk * r
+
+    def both(inputs, pool, step):
+        args = (*inputs, pool, *step)
+        got, want = verify_pallas(*args, interpret=interpret, block_v=block_v), verify_ref(*args)
         assert_close(got[0], want[0], dtype)
         assert_close(got[1][1:], want[1][1:], dtype)
         assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
         return want[1]
 
-    pool = both(gdn_inputs(rng, num_valid, T, **heads), i32(bases[0] + T - 1, bases[1], 0, 0), has_state)
-    inputs = gdn_inputs(rng, num_valid, T, **heads)
-    for a in range(1, T + 1):
-        read = i32(*(base + min(a, n) - 1 for base, n in zip(bases, num_valid[:3], strict=True)), 0)
-        both(inputs, read, jnp.asarray([True, True, True, False]))
+    verify_rounds(rng, T, hv, dk, dv, lambda nv: gdn_inputs(rng, nv, T, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype), both)
 
 
 def test_default_block_v_widens_only_a_full_grid():
@@ -180,13 +185,16 @@ def test_prefill_interpret_extreme_gates():
 # ----------------------------------------------------------------------------------------------
 
 
-def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=64):
+def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=64, extra=0):
     """Rows: in-place row with a window offset, a fresh row writing another line (per-slot draft
-    windows), a padding row (negative offset), a row whose offset is clamped into the line."""
+    windows), a padding row (negative offset), a row whose offset is clamped into the line. `extra`
+    channels past the lines' in x (a wider projection) must not be read: they hold NaN."""
     rng = np.random.default_rng(seed)
     K = 4
     line_len = K - 1 + k_max
     x = jnp.asarray(rng.standard_normal((4, T, channels)), dtype)
+    if extra:
+        x = jnp.concatenate([x, jnp.full((4, T, extra), jnp.nan, dtype)], axis=-1)
     lines = jnp.asarray(rng.standard_normal((6, line_len, channels)), dtype)
     weight = jnp.asarray(rng.standard_normal((K, channels)), jnp.float32)
     args = (
@@ -199,7 +207,7 @@ def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256,
     )
     y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, block_t=block_t)
     y_ref, lines_ref = conv_ref(*args, mode=mode)
-    assert y.dtype == y_ref.dtype == dtype
+    assert y.dtype == y_ref.dtype == dtype and y.shape == y_ref.shape == (4, T, channels)
     assert_close(y, y_ref, dtype)
     np.testing.assert_array_equal(new_lines[1:], lines_ref[1:])
 
