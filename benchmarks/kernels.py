@@ -6,11 +6,13 @@ recurrence also runs its Mosaic GPU kernel (impl "mosaic"), so the Triton-vs-Mos
 is measured in the same run.
 
 Kernels: gdn_verify (recurrent, T = 1+k, one fp32 state snapshot per token; floor = state read
-once + T snapshots written + q/k/v/o), paged span attention (T = 1 + --attn-ks queries over each of
---contexts cached tokens; impls xla, pallas = split-KV, pallas_onepass = one program per (request,
-kv head); floor = KV read + q/out over the bandwidth plus one kernel launch, measured; reported also
-as t(1+k) / t(1)), the conv window update (verify mode) and the chunked GDN prefill. One jitted
-call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV pages rotated so
+once + T snapshots written + q/k/v/o; impl pallas_fused = the kernel the model runs, which takes the
+conv output and the raw a / b projections and does the q / k norms and gates itself), paged span
+attention (T = 1 + --attn-ks queries over each of --contexts cached tokens; impls xla, pallas =
+split-KV, pallas_onepass = one program per (request, kv head); floor = KV read + q/out over the
+bandwidth plus one kernel launch, measured; reported also as t(1+k) / t(1)), the conv window update
+(verify mode) and the chunked GDN prefill.
+One jitted call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV pages rotated so
 repeated calls do not just hit the 60 MB L2) and the time is per kernel call.
 fla runs through torch with triton.testing.do_bench (L2 flushed between calls); its recurrent
 kernel writes only the final state, not one snapshot per token, so it is a lower bound on the
@@ -42,8 +44,9 @@ ATTN_LAYOUTS = {"qwen3-4b": (32, 8, 128), "qwen3.5-2b": (8, 2, 256), "qwen3.5-27
 SMOKE_GDN = {"demo": (2, 4, 32, 32)}
 SMOKE_ATTN = {"demo": (4, 2, 32)}
 KERNELS = ("gdn_verify", "attention", "conv", "prefill")
-IMPLS = ("xla", "pallas", "pallas_onepass", "mosaic")
-ONLY_FOR = {"mosaic": "gdn_verify", "pallas_onepass": "attention"}  # impls that exist for one kernel
+IMPLS = ("xla", "pallas", "pallas_fused", "pallas_onepass", "mosaic")
+# impls that exist for one kernel
+ONLY_FOR = {"mosaic": "gdn_verify", "pallas_fused": "gdn_verify", "pallas_onepass": "attention"}
 CONV_K, PAGE, KMAX = 4, 16, 15
 L2_BYTES = 256 * 2**20  # rotate inputs until one pass covers this many bytes (L2 is 60 MB)
 
@@ -62,9 +65,10 @@ def parse(argv=None):
     p.add_argument("--prefill-lens", default="64,512", help="prompt chunk lengths for the prefill kernel")
     p.add_argument("--prefill-batches", default="1,8")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
-    p.add_argument("--impls", default="xla,pallas,pallas_onepass,mosaic",
-                   help="implementations to time (mosaic: gdn_verify only, on a GPU; pallas_onepass: attention "
-                        "only, the kernel without KV splits)")
+    p.add_argument("--impls", default="xla,pallas,pallas_fused,pallas_onepass,mosaic",
+                   help="implementations to time (mosaic: gdn_verify only, on a GPU; pallas_fused: gdn_verify "
+                        "only, with the norms and gates inside; pallas_onepass: attention only, the kernel "
+                        "without KV splits)")
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention comparison")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
     p.add_argument("--bandwidth-gib", type=float, default=4.0)
@@ -121,8 +125,9 @@ def _normal(rng, shape, dtype, scale=1.0):
 
 
 def _gdn_inputs(rng, layout, B: int, T: int, reps: int):
-    """Per-rep q, k (normalised, q scaled), v, g, beta; a pool with one region of T slots per
-    request per rotation; read = base + j (j < T, as num_accepted - 1), write = base + t."""
+    """Per-rep q, k (normalised, q scaled), v, g, beta, and for the fused kernel a conv output
+    `mixed` (bf16, channels grouped per key head) with raw a / b projections; a pool with one region
+    of T slots per request per rotation; read = base + j (j < T, as num_accepted - 1), write = base + t."""
     import jax.numpy as jnp
 
     HK, HV, dk, dv = layout
@@ -139,8 +144,12 @@ def _gdn_inputs(rng, layout, B: int, T: int, reps: int):
                         g=jnp.asarray(-np.log1p(np.exp(rng.standard_normal((B, T, HV)))).astype(np.float32)),
                         beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, HV)))), jnp.float32),
                         read=jnp.asarray(base + rng.integers(0, T, B), jnp.int32),
-                        write=jnp.asarray(base[:, None] + np.arange(T)[None, :], jnp.int32)))
-    fixed = dict(has=jnp.ones((B,), bool), nv=jnp.full((B,), T, jnp.int32))
+                        write=jnp.asarray(base[:, None] + np.arange(T)[None, :], jnp.int32),
+                        mixed=_normal(rng, (B, T, 2 * HK * dk + HV * dv), jnp.bfloat16),
+                        a=_normal(rng, (B, T, HV), jnp.bfloat16), b=_normal(rng, (B, T, HV), jnp.bfloat16)))
+    fixed = dict(has=jnp.ones((B,), bool), nv=jnp.full((B,), T, jnp.int32),
+                 a_log=jnp.asarray(np.log(rng.uniform(1, 16, HV)), jnp.float32),
+                 dt_bias=_normal(rng, (HV,), jnp.float32))
     io = B * T * (2 * HK * dk * 4 + HV * dv * 2 + HV * dv * 4 + 2 * HV * 4)
     return pool, per, fixed, {"state": B * (1 + T) * state, "io": io, "floor": B * (1 + T) * state + io}, rot
 
@@ -152,8 +161,12 @@ def _gdn_verify_fn(api, impl: str, reps: int):
     def run(pool, per, fixed):
         acc = jnp.float32(0)
         for x in per[:reps]:
-            o, pool = api.gdn_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["read"], x["write"],
-                                     fixed["has"], fixed["nv"], implementation=impl)
+            step = (pool, x["read"], x["write"], fixed["has"], fixed["nv"])
+            if impl == "pallas_fused":
+                o, pool = api.gdn_verify_mixed(x["mixed"], x["a"], x["b"], fixed["a_log"], fixed["dt_bias"], *step,
+                                               implementation="pallas")
+            else:
+                o, pool = api.gdn_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], *step, implementation=impl)
             acc = acc + jnp.sum(o)  # keeps every readout live (no dead-code elimination of o)
         return pool, acc
 
@@ -303,6 +316,10 @@ def _build(kernel: str, api, layout, B: int, T: int, ctx, impl: str, args, rng, 
     """(jitted fn, [state, per, fixed], bytes, rotation) for one config and implementation."""
     if kernel == "gdn_verify":
         state, per, fixed, nbytes, rot = _gdn_inputs(rng, layout, B, T, args.reps)
+        if impl == "pallas_fused":  # reads bf16 q / k / v and a / b, writes f32 o
+            HK, HV, dk, dv = layout
+            io = B * T * ((2 * HK * dk + HV * dv) * 2 + HV * dv * 4 + 2 * HV * 2)
+            nbytes = {**nbytes, "io": io, "floor": nbytes["state"] + io}
         return _gdn_verify_fn(api, impl, args.reps), [state, per, fixed], nbytes, rot
     if kernel == "prefill":
         state, per, fixed, nbytes, rot = _gdn_inputs(rng, layout, B, T, args.reps)
@@ -438,19 +455,21 @@ def print_tables(res) -> None:
     rows = []
     for (kernel, layout, B, ctx, T), impls in by.items():
         x, p, f, m = impls.get("xla"), impls.get("pallas"), impls.get("fla"), impls.get("mosaic")
-        o = impls.get("pallas_onepass")
+        o, u = impls.get("pallas_onepass"), impls.get("pallas_fused")
         one = by.get((kernel, layout, B, ctx, 1), {}).get("pallas") if kernel == "attention" else None
         floor = (p or x or f or o)["floor_us"]
         star = {i: ("*" if r and r.get("host_bound") else "") for i, r in (("x", x), ("p", p), ("o", o))}
         rows.append([kernel, layout, B, "" if ctx is None else ctx, T, fmt(x and x["us"], 1) + star["x"],
-                     fmt(p and p["us"], 1) + star["p"], fmt(o and o["us"], 1) + star["o"], fmt(m and m["us"], 1),
+                     fmt(p and p["us"], 1) + star["p"], fmt(u and u["us"], 1), fmt(o and o["us"], 1) + star["o"],
+                     fmt(m and m["us"], 1),
                      fmt(f and f["us"], 1), fmt(floor, 1), fmt(p and p["us"] / floor),
                      fmt(x and p and x["us"] / p["us"]), fmt(o and p and o["us"] / p["us"]),
                      fmt(one and p and p["us"] / one["us"])])
     print("\nkernels (us per call; floor = bytes / measured bandwidth, + one launch for attention; * = host-bound: "
-          "an upper bound; 1-pass = attention without KV splits)")
-    print(common.format_table(rows, ["kernel", "layout", "B", "ctx", "T", "xla", "pallas", "1-pass", "mosaic", "fla",
-                                     "floor", "pallas/floor", "xla/pallas", "1-pass/pallas", "t(T)/t(1)"]))
+          "an upper bound; fused = the verify kernel with the norms and gates inside; 1-pass = attention without KV "
+          "splits)")
+    print(common.format_table(rows, ["kernel", "layout", "B", "ctx", "T", "xla", "pallas", "fused", "1-pass", "mosaic",
+                                     "fla", "floor", "pallas/floor", "xla/pallas", "1-pass/pallas", "t(T)/t(1)"]))
 
 
 def main(argv=None) -> int:
