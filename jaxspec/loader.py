@@ -23,6 +23,7 @@ from jaxspec import cache, demo, ops, saved, sharding, weights
 from jaxspec import compile as compile_cache
 from jaxspec import tokenizer as tok
 from jaxspec.config import ConfigError, EngineConfig, ModelConfig
+from jaxspec.models import packing
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # what weights.hf_to_params converts to
 _SAVED_MARKER = "jaxspec.json"
@@ -61,6 +62,8 @@ class Model:
     def __post_init__(self):
         if self.prefill_rows == "auto":  # a Model built directly (load resolves it while validating)
             self.prefill_rows = min(AUTO_PREFILL_ROWS, self.max_num_seqs)
+        if isinstance(self.params, dict) and "layers" in self.params and packing.packs(self.config, self.kernels):
+            self.params = packing.pack(self.params)  # one GDN input gemm (jaxspec/models/packing.py)
 
     @property
     def decode_pad(self) -> int:
@@ -321,6 +324,6 @@ def save(model: Model, directory: str | Path, format: str | None = None) -> Path
     elif isinstance(model.tokenizer, tok.HFTokenizer):
         marker["tokenizer"] = "tokenizer.json"
         model.tokenizer.save(directory)
-    saved.save_params(model.params, directory, format)
+    saved.save_params(packing.unpack(model.params, model.config), directory, format)
     (directory / _SAVED_MARKER).write_text(json.dumps(marker))
     return directory

@@ -63,11 +63,13 @@ def gdn_verify(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid
                               implementation=kernels, interpret=_interpret())
 
 
-def gdn_verify_mixed(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):
-    """`gdn_verify` from the conv output mixed [R, T, C] and the gate projections a, b [R, T, HV] (with
-    A_log, dt_bias [HV]); kernels="pallas" normalises and gates inside the recurrence kernel."""
+def gdn_verify_mixed(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str,
+                     a_at: int = 0, b_at: int = 0):
+    """`gdn_verify` from the conv output mixed [R, T, C] and the gate projections a, b (HV channels from
+    a_at / b_at of a [R, T, *], b [R, T, *]; with A_log, dt_bias [HV]); kernels="pallas" normalises and
+    gates inside the recurrence kernel, reading a and b in place."""
     return gdn_api.gdn_verify_mixed(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
-                                    implementation=kernels, interpret=_interpret())
+                                    a_at=a_at, b_at=b_at, implementation=kernels, interpret=_interpret())
 
 
 def gdn_prefill(q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid, *, kernels: str):

@@ -30,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxspec.config import FULL, ModelConfig
+from jaxspec.models import packing
 
 log = logging.getLogger(__name__)
 
@@ -592,7 +593,7 @@ def _export_layer(cfg: ModelConfig, layer: dict, p: str, out: Tensors, fused_exp
     if "attn" in layer:
         _export_spec(layer["attn"], _attn_spec(cfg, p), out)
     else:
-        gdn = dict(layer["gdn"])
+        gdn = dict(packing.unpack_gdn(layer["gdn"], cfg))
         gdn["conv"] = _ungroup(cfg, gdn["conv"])
         _export_spec(gdn, _gdn_common_spec(cfg, p), out)
         if cfg.family == "qwen3_next":

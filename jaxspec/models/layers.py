@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxspec import ops, sharding
 from jaxspec.config import ModelConfig
+from jaxspec.models import packing
 
 F32 = jnp.float32
 
@@ -63,7 +64,8 @@ def linear(x, w, b=None):
 # rows runs as a float32 multiply-and-sum rather than a matmul. As dots, XLA merges the two into one
 # whose weights it concatenates on every call, and its gemm for the [2, 2048] x [2048, 32] product of
 # a Qwen3.5-2B decode step took 4.6-5.3 us on an H200; as two reductions they take ~7 us of two
-# kernels where the dot path took ~9 us of four (docs/benchmarks.md, "Kernels per layer").
+# kernels where the dot path took ~9 us of four (docs/benchmarks.md, "Kernels per layer"). Packed
+# params (jaxspec/models/packing.py) have no separate b / a: they are columns of the one input gemm.
 NARROW_ROWS = 64
 NARROW_COLUMNS = 64
 
@@ -267,16 +269,16 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
     "prefill" runs the chunked form and keeps only the final state."""
     R, T, _ = x.shape
     HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    if cfg.mesh is None and kernels == "pallas":
-        # One gemm over [qkv | z]: the conv kernel reads its channels in place, where a slice of the
-        # merged output (XLA merges the two dots anyway) was copied for it.
-        mixed = x @ jnp.concatenate([p["qkv"], p["z"]], axis=1)
-        z = mixed[..., p["qkv"].shape[1]:]
+    if packing.is_packed(p):
+        # One gemm (jaxspec/models/packing.py): the conv reads the leading conv_dim channels of its
+        # output and the recurrence its b / a columns, in place.
+        mixed, at = x @ p[packing.PACKED], packing.offsets(cfg)
+        z, a, b = mixed[..., at["z"]:at["z"] + HV * dv], mixed, mixed
+        a_at, b_at = at["a"], at["b"]
     else:
         mixed, z = x @ p["qkv"], x @ p["z"]  # conv channels grouped per key head (ops.gdn_inputs)
+        b, a, a_at, b_at = narrow_linear(x, p["b"]), narrow_linear(x, p["a"]), 0, 0  # [R, T, HV]
     z = z.reshape(R, T, HV, dv)
-    b = narrow_linear(x, p["b"])  # [R, T, HV]
-    a = narrow_linear(x, p["a"])
     has_state = batch.start_pos > 0
     channels, heads4, heads3 = (None, None, "gdn_heads"), (None, None, "gdn_heads", None), (None, None, "gdn_heads")
     conv_update = sharding.local(functools.partial(ops.conv_update, mode=mode, kernels=kernels), cfg,
@@ -284,11 +286,12 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
                                  [channels, sharding.CONV_AXES])
     mixed, conv = conv_update(mixed, conv, p["conv"], batch.conv_read, batch.conv_offset, batch.conv_write,
                               has_state, batch.num_valid)
-    read, num_valid, gate_inputs = batch.state_read, batch.num_valid, (a, b, p["A_log"], p["dt_bias"])
+    read, num_valid = batch.state_read, batch.num_valid
     if mode == "verify":
         steps = jnp.arange(T, dtype=jnp.int32)[None, :]
         write = jnp.where(batch.state_write[:, None] > 0, batch.state_write[:, None] + steps, 0)  # [R, T]
-        run = sharding.local(functools.partial(ops.gdn_verify_mixed, kernels=kernels), cfg,
+        gate_inputs = (a, b, p["A_log"], p["dt_bias"])
+        run = sharding.local(functools.partial(ops.gdn_verify_mixed, a_at=a_at, b_at=b_at, kernels=kernels), cfg,
                              (channels, heads3, heads3, ("gdn_heads",), ("gdn_heads",), sharding.SSM_AXES)
                              + (None,) * 4, [heads4, sharding.SSM_AXES])
         o, ssm = run(mixed, *gate_inputs, ssm, read, write, has_state, num_valid)
@@ -296,6 +299,7 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
         step_axes = (heads4, heads4, heads4, heads3, heads3, sharding.SSM_AXES, None, None, None, None)
         run = sharding.local(functools.partial(ops.gdn_prefill, kernels=kernels), cfg, step_axes,
                              [heads4, sharding.SSM_AXES])
+        gate_inputs = (a[..., a_at:a_at + HV], b[..., b_at:b_at + HV], p["A_log"], p["dt_bias"])
         o, ssm = run(*ops.gdn_inputs(mixed, *gate_inputs, dk=dk, dv=dv), ssm, read, batch.state_write, has_state,
                      num_valid)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(R, T, HV * dv)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import FULL, ModelConfig
-from jaxspec.models import layers
+from jaxspec.models import layers, packing
 from jaxspec.models.model import logits_from_hidden
 from pallas_kernels.gated_delta import reference as gdn_ref
 from pallas_kernels.gated_delta.reference import causal_conv1d
@@ -100,10 +100,8 @@ def gated_delta_net(p, cfg: ModelConfig, x):
     B, T, _ = x.shape
     HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     K = cfg.linear_conv_kernel_dim
-    mixed = x @ p["qkv"]  # [B, T, conv_dim], channels grouped per key head (reference.split_heads)
-    z = (x @ p["z"]).reshape(B, T, HV, dv)
-    b = x @ p["b"]  # [B, T, HV]
-    a = x @ p["a"]
+    mixed, z, b, a = packing.project(p, cfg, x)  # mixed [B, T, conv_dim] grouped per key head; b, a [B, T, HV]
+    z = z.reshape(B, T, HV, dv)
     mixed, _ = causal_conv1d(mixed, p["conv"], jnp.zeros((B, K - 1, mixed.shape[-1]), mixed.dtype))
     o = chunk_gated_delta(*gdn_ref.gdn_inputs(mixed, a, b, p["A_log"], p["dt_bias"], dk=dk, dv=dv))  # f32
     o = layers.rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(B, T, HV * dv)

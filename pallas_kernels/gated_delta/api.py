@@ -11,7 +11,13 @@ import jax.numpy as jnp
 from pallas_kernels.gated_delta import reference
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
-from pallas_kernels.gated_delta.recurrent import default_block_v, gdn_verify_mixed_pallas, gdn_verify_pallas, mixed_fits
+from pallas_kernels.gated_delta.recurrent import (
+    check_gate_channels,
+    default_block_v,
+    gdn_verify_mixed_pallas,
+    gdn_verify_pallas,
+    mixed_fits,
+)
 from pallas_kernels.gated_delta.recurrent_mosaic import gdn_verify_mosaic
 from pallas_kernels.triton_common import MIN_DOT, use_pallas
 
@@ -84,17 +90,21 @@ def gdn_verify(
 
 def gdn_verify_mixed(
     mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
-    *, implementation: str = "xla", interpret: bool | None = None,
+    *, a_at: int = 0, b_at: int = 0, implementation: str = "xla", interpret: bool | None = None,
 ):
     """`gdn_verify` from the conv output: mixed [B, T, HK * (2 dk + r dv)] (channels grouped per key
-    head), the a / b projections [B, T, HV], A_log and dt_bias [HV]; dk, dv are the pool's. Pallas
-    runs the normalisation and gates inside the recurrence kernel (`gdn_verify_mixed_pallas`) when
-    the heads tile in place (`mixed_fits`), else they run as XLA ops before the padded kernel."""
+    head), the a / b projections (channels a_at .. a_at + HV of a [B, T, *], likewise b: both may be
+    one packed projection output), A_log and dt_bias [HV]; dk, dv are the pool's. Pallas runs the
+    normalisation and gates inside the recurrence kernel (`gdn_verify_mixed_pallas`, reading a and b
+    in place) when the heads tile in place (`mixed_fits`), else they run as XLA ops before the padded
+    kernel."""
     pallas, interpret = _use_pallas(implementation, interpret)
     hv, dk, dv = pool.shape[1:]
+    check_gate_channels(a, b, a_at, b_at, hv, mixed.shape[:2])
     if pallas and mixed_fits(dk, dv, default_block_v(mixed.shape[0], hv, dv)):
         return gdn_verify_mixed_pallas(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
-                                       interpret=interpret)
+                                       a_at=a_at, b_at=b_at, interpret=interpret)
+    a, b = a[..., a_at:a_at + hv], b[..., b_at:b_at + hv]
     inputs = reference.gdn_inputs(mixed, a, b, a_log, dt_bias, dk=dk, dv=dv)
     return gdn_verify(*inputs, pool, read_idx, write_idx, has_state, num_valid, implementation=implementation,
                       interpret=interpret)

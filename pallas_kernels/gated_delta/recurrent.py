@@ -203,10 +203,18 @@ def mixed_fits(dk: int, dv: int, block_v: int) -> bool:
     return is_pow2(dk) and is_pow2(block_v) and dv % block_v == 0 and (2 * dk) % block_v == 0
 
 
+def check_gate_channels(a, b, a_at: int, b_at: int, hv: int, batch_tokens: tuple[int, int]) -> None:
+    """a and b ([B, T, *]) must hold hv channels from a_at and b_at."""
+    for name, x, at in (("a", a, a_at), ("b", b, b_at)):
+        if x.ndim != 3 or tuple(x.shape[:2]) != tuple(batch_tokens) or not 0 <= at <= x.shape[2] - hv:
+            raise ValueError(f"{name} shape {x.shape} with {name}_at={at} must be [{batch_tokens[0]}, "
+                             f"{batch_tokens[1]}, C] holding {hv} channels from {name}_at (0 <= {name}_at <= C - {hv})")
+
+
 def gdn_verify_mixed_pallas(
     mixed: jax.Array,  # [B, T, HK * (2 dk + r dv)] conv output, channels grouped per key head
-    a: jax.Array,  # [B, T, HV] a projection (pre-activation)
-    b: jax.Array,  # [B, T, HV] b projection (pre-activation)
+    a: jax.Array,  # [B, T, >= a_at + HV] a projection (pre-activation) in channels a_at .. a_at + HV
+    b: jax.Array,  # [B, T, >= b_at + HV] b projection (pre-activation), likewise
     a_log: jax.Array,  # [HV]
     dt_bias: jax.Array,  # [HV]
     pool: jax.Array,  # [S, HV, dk, dv] float32 state pool (slot 0 = null slot)
@@ -215,17 +223,21 @@ def gdn_verify_mixed_pallas(
     has_state: jax.Array,  # [B] bool
     num_valid: jax.Array,  # [B] int32
     *,
+    a_at: int = 0,
+    b_at: int = 0,
     interpret: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
-    """`gdn_verify_pallas` with the layer's glue inside: same contract as `reference.gdn_verify_mixed`.
+    """`gdn_verify_pallas` with the layer's glue inside: same contract as `reference.gdn_verify_mixed`
+    on a[..., a_at:a_at + HV] and b[..., b_at:b_at + HV].
 
     Each program reads its key head's q / k channels and its value head's V-block straight from the
-    conv output (no split copies), L2-normalises q and k and computes g and beta per token in
-    registers (the normalisation is repeated by the r * dv / block_v programs that share a key head:
-    dk multiply-adds per token each). dk, dv come from the pool; `block_v` as `gdn_verify_pallas`,
-    also dividing 2 dk (`mixed_fits`)."""
+    conv output (no split copies) and its head's a / b channels from where they lie (a and b may be
+    one packed projection output, jaxspec/models/packing.py), L2-normalises q and k and computes g and
+    beta per token in registers (the normalisation is repeated by the r * dv / block_v programs that
+    share a key head: dk multiply-adds per token each). dk, dv come from the pool; `block_v` as
+    `gdn_verify_pallas`, also dividing 2 dk (`mixed_fits`)."""
     batch, t, channels = mixed.shape
     hv, dk, dv = pool.shape[1:]
     hk = reference.key_heads(channels, hv, dk, dv)
@@ -233,18 +245,18 @@ def gdn_verify_mixed_pallas(
     if not mixed_fits(dk, dv, block_v):
         raise ValueError(f"{dk=} and {block_v=} must be powers of two, block_v dividing {dv=} and 2 * dk (Triton "
                          "tiles reading the conv output in place)")
-    for name, x, shape in (("a", a, (batch, t, hv)), ("b", b, (batch, t, hv)), ("a_log", a_log, (hv,)),
-                           ("dt_bias", dt_bias, (hv,))):
+    check_gate_channels(a, b, a_at, b_at, hv, (batch, t))
+    for name, x, shape in (("a_log", a_log, (hv,)), ("dt_bias", dt_bias, (hv,))):
         if x.shape != shape:
             raise ValueError(f"{name} shape {x.shape} must be {shape} for mixed {mixed.shape} and pool {pool.shape}")
     r, vb = hv // hk, dv // block_v
     first_v = 2 * dk // block_v  # V-block index of a key head's first value column
     key_spec = lambda part: pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, part))  # noqa: E731
     value_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h // r, first_v + (h % r) * vb + j))
-    gate_spec = pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h))
+    gate_spec = lambda at: pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, at + h))  # noqa: E731
     head_spec = pl.BlockSpec((1,), lambda i, h, j: (h,))
     grouped = mixed.reshape(batch, t, hk, channels // hk)
     return _call(_verify_mixed_kernel, (grouped, grouped, grouped, a, b, a_log, dt_bias),
-                 [key_spec(0), key_spec(1), value_spec, gate_spec, gate_spec, head_spec, head_spec], pool,
+                 [key_spec(0), key_spec(1), value_spec, gate_spec(a_at), gate_spec(b_at), head_spec, head_spec], pool,
                  (read_idx, write_idx, has_state, num_valid), grid=(batch, hv, vb), o_shape=(batch, t, hv, dv),
                  block_v=block_v, num_warps=num_warps, interpret=interpret, name="gdn_verify_mixed")

@@ -113,6 +113,52 @@ def test_bad_shapes_are_refused():
         gdn_verify_mixed_pallas(mixed, a, b, a_log, dt_bias, pool, *step, interpret=True, block_v=32)
 
 
+def packed_gates(a, b, *, before: int, between: int, after: int):
+    """b and a inside one wider array, as a packed projection output holds them ([.. | b | .. | a | ..]),
+    the other channels NaN (a kernel reading them would fail): (proj, a_at, b_at)."""
+    fill = lambda n: jnp.full(a.shape[:2] + (n,), jnp.nan, a.dtype)  # noqa: E731
+    proj = jnp.concatenate([fill(before), b, fill(between), a, fill(after)], axis=-1)
+    hv = a.shape[-1]
+    return proj, before + hv + between, before
+
+
+@pytest.mark.parametrize(("k", "r", "dtype"), [(0, 2, jnp.float32), (3, 3, jnp.bfloat16)])
+def test_gates_read_in_place_from_a_packed_projection(k, r, dtype):
+    """a / b at channel offsets of one array (jaxspec/models/packing.py's layer output) give what the
+    separate arrays give, in the kernel and in the XLA path."""
+    rng = np.random.default_rng(7 + k)
+    T, hv = 1 + k, 2 * r
+    mixed, a, b, a_log, dt_bias = mixed_inputs(rng, [T, 1], T, hk=2, r=r, dk=16, dv=16, dtype=dtype)
+    proj, a_at, b_at = packed_gates(a, b, before=40, between=3, after=5)
+    pool = jnp.asarray(rng.standard_normal((4 + T, hv, 16, 16)), jnp.float32)  # row 0 writes slots 3 .. 2 + T
+    step = (i32(1, 2), i32(list(range(3, 3 + T)), [3 + T] + [0] * k), jnp.asarray([True, False]), i32(T, 1))
+    want = mixed_pallas(mixed, a, b, a_log, dt_bias, pool, *step, interpret=True)
+    got = jax.jit(gdn_verify_mixed_pallas, static_argnames=("interpret", "a_at", "b_at"))(
+        mixed, proj, proj, a_log, dt_bias, pool, *step, a_at=a_at, b_at=b_at, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    xla = api.gdn_verify_mixed(mixed, proj, proj, a_log, dt_bias, pool, *step, a_at=a_at, b_at=b_at)
+    ref = mixed_ref(mixed, a, b, a_log, dt_bias, pool, *step)
+    np.testing.assert_array_equal(np.asarray(xla[0]), np.asarray(ref[0]))
+
+
+def test_gate_offsets_outside_the_array_are_refused():
+    rng = np.random.default_rng(2)
+    mixed, a, b, a_log, dt_bias = mixed_inputs(rng, [2], 2, hk=2, r=2, dk=16, dv=16, dtype=jnp.float32)
+    proj, a_at, b_at = packed_gates(a, b, before=4, between=0, after=0)  # 12 channels: b at 4, a at 8
+    pool = jnp.zeros((3, 4, 16, 16), jnp.float32)
+    step = (i32(1), i32([1, 2]), jnp.asarray([True]), i32(2))
+    for implementation in ("pallas", "xla"):
+        with pytest.raises(ValueError, match=r"a shape \(1, 2, 12\) with a_at=9 must be .* holding 4 channels"):
+            api.gdn_verify_mixed(mixed, proj, proj, a_log, dt_bias, pool, *step, a_at=9, b_at=b_at,
+                                 implementation=implementation, interpret=True)
+        with pytest.raises(ValueError, match="b_at=-1"):
+            api.gdn_verify_mixed(mixed, proj, proj, a_log, dt_bias, pool, *step, a_at=a_at, b_at=-1,
+                                 implementation=implementation, interpret=True)
+    with pytest.raises(ValueError, match=r"b shape \(1, 3, 4\)"):  # tokens differ from mixed's
+        gdn_verify_mixed_pallas(mixed, a, jnp.zeros((1, 3, 4)), a_log, dt_bias, pool, *step, interpret=True)
+
+
 @pytest.mark.parametrize("mode", ["verify", "prefill"])
 def test_conv_reads_leading_channels(mode):
     """x wider than the lines (the conv input merged with the z projection): the kernel and the
@@ -128,6 +174,9 @@ def test_mixed_lowers_to_triton_for_qwen_shapes(r):
     shapes = [((B, T, hk * (2 * d + r * d)), bf), ((B, T, hv), bf), ((B, T, hv), bf), ((hv,), f32), ((hv,), f32),
               ((S, hv, d, d), f32), ((B,), i), ((B, T), i), ((B,), jnp.bool_), ((B,), i)]
     assert "triton" in _lower_for_cuda(gdn_verify_mixed_pallas, *shapes)
+    packed = [((B, T, 5000), bf)] * 2  # a / b in place in one projection output (packing.py)
+    lower = lambda *args: gdn_verify_mixed_pallas(*args, a_at=4000 + hv, b_at=4000)  # noqa: E731
+    assert "triton" in _lower_for_cuda(lower, shapes[0], *packed, *shapes[3:])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas (Triton) needs a GPU")
@@ -137,6 +186,20 @@ class TestMixedGPU:
     @pytest.mark.parametrize("r", [1, 2, 3])
     def test_mixed(self, dtype, k, r):
         check_mixed(k * 10 + r, k=k, r=r, dtype=dtype, interpret=False, **QWEN)
+
+    @pytest.mark.parametrize("k", [0, 1, 7])
+    def test_gates_in_place(self, k):
+        rng = np.random.default_rng(50 + k)
+        T, hk, r, d = 1 + k, 16, 1, 128
+        mixed, a, b, a_log, dt_bias = mixed_inputs(rng, [T, 1], T, hk=hk, r=r, dk=d, dv=d, dtype=jnp.bfloat16)
+        proj, a_at, b_at = packed_gates(a, b, before=8192, between=0, after=0)
+        pool = jnp.asarray(rng.standard_normal((4 + T, hk * r, d, d)), jnp.float32)  # row 0 writes 3 .. 2 + T
+        step = (i32(1, 2), i32(list(range(3, 3 + T)), [3 + T] + [0] * k), jnp.asarray([True, False]), i32(T, 1))
+        want = mixed_ref(mixed, a, b, a_log, dt_bias, pool, *step)
+        got = jax.jit(gdn_verify_mixed_pallas, static_argnames=("a_at", "b_at"))(
+            mixed, proj, proj, a_log, dt_bias, pool, *step, a_at=a_at, b_at=b_at)
+        assert_close(got[0], want[0], jnp.bfloat16)
+        assert_close(got[1][1:], want[1][1:], jnp.bfloat16)
 
     @pytest.mark.parametrize("block_v", [32, 64])
     def test_mixed_block_v(self, block_v):
