@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Kernel launch-parameter sweep: the paged span attention (pages per loop step x KV splits x warps x
-pipeline stages) and the GDN verify recurrence (V-block width x warps), each config timed as pipelined
-wall per call and profiled for the GPU busy time of its own kernels, beside its bytes floor.
+pipeline stages) and the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
+"gdn_verify_mixed" the one the model runs, with the layer's glue inside), each config timed as
+pipelined wall per call and profiled for the GPU busy time of its own kernels, beside its bytes floor.
 
 This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
 pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py)
@@ -26,9 +27,9 @@ import numpy as np  # noqa: E402
 from benchmarks import common, kernels  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
-KERNELS = ("attention", "gdn_verify")
+KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed")
 # The name each kernel's pallas_call gives its GPU kernels (busy time counts only these).
-KERNEL_NAMES = {"attention": "paged_span_attention", "gdn_verify": "gdn_verify"}
+KERNEL_NAMES = {"attention": "paged_span_attention", "gdn_verify": "gdn_verify", "gdn_verify_mixed": "gdn_verify_mixed"}
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
              stages="2", block_v="16,32", gdn_warps="4", reps=2, repeats=3, traced=1, compile_threads=2,
              bandwidth_gib=1 / 32)
@@ -63,8 +64,9 @@ def parse(argv=None):
 
 
 def _layouts(kernel: str, args) -> dict:
-    table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN},
-             "gdn_verify": {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}}[kernel]
+    gdn = {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}
+    table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN}, "gdn_verify": gdn,
+             "gdn_verify_mixed": gdn}[kernel]
     return {name: table[name] for name in args.layouts.split(",") if name in table}
 
 
@@ -79,12 +81,13 @@ def _attention_configs(args, layout, B: int, context: int) -> tuple[list[tuple],
     return sorted(set(grid) | {default}), default
 
 
-def _gdn_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.gated_delta.recurrent import default_block_v
+def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple], tuple]:
+    from pallas_kernels.gated_delta.recurrent import default_block_v, mixed_fits
 
-    dv = layout[3]
-    default = (default_block_v(B, layout[1], dv), 4)
-    grid = [(bv, w) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps) if dv % bv == 0]
+    dk, dv = layout[2:]
+    default = (default_block_v(B, layout[1], dv, T), 4)
+    fits = (lambda bv: mixed_fits(dk, dv, bv)) if mixed else (lambda bv: dv % bv == 0)
+    grid = [(bv, w) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps) if fits(bv)]
     return sorted(set(grid) | {default}), default
 
 
@@ -103,19 +106,23 @@ def _attention_fn(config, scale: float, reps: int, interpret: bool):
     return jax.jit(run)
 
 
-def _gdn_fn(config, reps: int, interpret: bool):
+def _gdn_fn(config, reps: int, interpret: bool, mixed: bool):
     import jax
 
-    from pallas_kernels.gated_delta.recurrent import gdn_verify_pallas
+    from pallas_kernels.gated_delta.recurrent import gdn_verify_mixed_pallas, gdn_verify_pallas
 
     block_v, warps = config
+    launch = dict(interpret=interpret, block_v=block_v, num_warps=warps)
 
     def run(pool, per, fixed):
         outs = []
         for x in per[:reps]:
-            o, pool = gdn_verify_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["read"], x["write"],
-                                        fixed["has"], fixed["nv"], interpret=interpret, block_v=block_v,
-                                        num_warps=warps)
+            step = (pool, x["read"], x["write"], fixed["has"], fixed["nv"])
+            if mixed:
+                o, pool = gdn_verify_mixed_pallas(x["mixed"], x["a"], x["b"], fixed["a_log"], fixed["dt_bias"], *step,
+                                                  **launch)
+            else:
+                o, pool = gdn_verify_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], *step, **launch)
             outs.append(o)
         return pool, outs
 
@@ -150,9 +157,10 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
         configs, default = _attention_configs(args, layout, B, context)
         make = {c: _attention_fn(c, layout[2] ** -0.5, args.reps, interpret) for c in configs}
     else:
+        mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps)
-        configs, default = _gdn_configs(args, layout, B)
-        make = {c: _gdn_fn(c, args.reps, interpret) for c in configs}
+        configs, default = _gdn_configs(args, layout, B, T, mixed)
+        make = {c: _gdn_fn(c, args.reps, interpret, mixed) for c in configs}
     st = {"state": state}
     with ignore_triton_deprecation():
         compiled, errors, _, wall_s = common.lower_and_compile(
@@ -182,14 +190,14 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 
 def print_tables(res) -> None:
-    fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify": "block_v, warps"}
+    fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
               ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
               fmt(r["busy_us"], 1), fmt(r["floor_us"], 1), fmt(r["busy_over_floor"])] for r in rows]
-    print(f"\nkernel sweep (us per call; * = the default; config: attention {fields['attention']}, gdn_verify "
-          f"{fields['gdn_verify']}; busy = the kernel's own GPU time, none off GPU)")
+    print(f"\nkernel sweep (us per call; * = the default; config: attention {fields['attention']}, gdn_verify(_mixed) "
+          f"{fields['gdn_verify(_mixed)']}; busy = the kernel's own GPU time, none off GPU)")
     print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy", "floor",
                                       "busy/floor"]))
 

@@ -101,7 +101,7 @@ def gdn_verify_mixed(
     pallas, interpret = _use_pallas(implementation, interpret)
     hv, dk, dv = pool.shape[1:]
     check_gate_channels(a, b, a_at, b_at, hv, mixed.shape[:2])
-    if pallas and mixed_fits(dk, dv, default_block_v(mixed.shape[0], hv, dv)):
+    if pallas and mixed_fits(dk, dv, default_block_v(mixed.shape[0], hv, dv, mixed.shape[1])):
         return gdn_verify_mixed_pallas(mixed, a, b, a_log, dt_bias, pool, read_idx, write_idx, has_state, num_valid,
                                        a_at=a_at, b_at=b_at, interpret=interpret)
     a, b = a[..., a_at:a_at + hv], b[..., b_at:b_at + hv]

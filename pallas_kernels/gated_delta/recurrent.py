@@ -113,15 +113,22 @@ def _verify_mixed_kernel(
     _recur(h, [token(t) for t in range(q_ref.shape[0])], o_ref, pool_out_ref, write_ref)
 
 
-# V-block width: 32 columns; 64 once the grid has this many programs at 64 columns. Busy time per
-# call on one H200 (docs/benchmarks.md, "GDN verify blocks"): 64 columns cut 7-10% at batch 32 and
-# at Qwen3.5-27B batch 8, and cost 20-70% where the grid is small (Qwen3.5-2B batch 8, batch 1).
+# V-block width: 32 columns; 64 once the grid has this many programs at 64 columns; 16 for a verify
+# span (T > 1) whose grid at 32 columns is small. Busy time per call on one H200 (docs/benchmarks.md,
+# "GDN verify blocks" and "GDN verify blocks at batch 1"): 64 columns cut 7-10% at batch 32 and at
+# Qwen3.5-27B batch 8, and cost 20-70% where the grid is small (Qwen3.5-2B batch 8, batch 1); at
+# batch 1, T = 8, 16 columns cut 6-16% on the 2B, 27B and Next layouts (both kernels); at T = 1 they
+# match 32 or lose 4%.
 WIDE_BLOCK_V, WIDE_MIN_PROGRAMS = 64, 512
+NARROW_BLOCK_V, NARROW_MAX_PROGRAMS = 16, 256  # programs counted at 32 columns
 
 
-def default_block_v(b: int, hv: int, dv: int) -> int:
+def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
+    """V-block width for b requests of hv value heads, dv columns each, t tokens per request."""
     if dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= WIDE_MIN_PROGRAMS:
         return WIDE_BLOCK_V
+    if t > 1 and dv % 32 == 0 and b * hv * (dv // 32) < NARROW_MAX_PROGRAMS:
+        return NARROW_BLOCK_V
     return min(32, dv)
 
 
@@ -186,7 +193,7 @@ def gdn_verify_pallas(
     """
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    block_v = block_v or default_block_v(b, hv, dv)
+    block_v = block_v or default_block_v(b, hv, dv, t)
     _check(q, v, pool, block_v)
     r = hv // hk
     key_spec = pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, 0))
@@ -241,7 +248,7 @@ def gdn_verify_mixed_pallas(
     batch, t, channels = mixed.shape
     hv, dk, dv = pool.shape[1:]
     hk = reference.key_heads(channels, hv, dk, dv)
-    block_v = block_v or default_block_v(batch, hv, dv)
+    block_v = block_v or default_block_v(batch, hv, dv, t)
     if not mixed_fits(dk, dv, block_v):
         raise ValueError(f"{dk=} and {block_v=} must be powers of two, block_v dividing {dv=} and 2 * dk (Triton "
                          "tiles reading the conv output in place)")

@@ -126,6 +126,15 @@ def test_default_block_v_widens_only_a_full_grid():
     assert default_block_v(64, 16, 96) == 32  # 64 does not divide 96
 
 
+def test_default_block_v_narrows_a_small_verify_grid():
+    assert default_block_v(1, 16, 128, 8) == 16  # Qwen3.5-2B, batch 1, k = 7: 64 programs at 32 columns
+    assert default_block_v(1, 48, 128, 8) == 16  # Qwen3.5-27B: 192
+    assert default_block_v(1, 16, 128, 1) == 32  # decode keeps 32 (equal busy time)
+    assert default_block_v(8, 16, 128, 8) == 32  # 512 programs: not small
+    assert default_block_v(8, 48, 128, 8) == 64  # a full grid widens as before
+    assert default_block_v(1, 4, 16, 8) == 16  # narrower than 32 columns: the whole width
+
+
 # Each (k, r) point is one compile; the pairs cover every k and every GVA ratio.
 VERIFY_CASES = [(0, 1), (1, 2), (3, 3), (7, 1), (15, 2)]
 

@@ -201,7 +201,7 @@ class TestMixedGPU:
         assert_close(got[0], want[0], jnp.bfloat16)
         assert_close(got[1][1:], want[1][1:], jnp.bfloat16)
 
-    @pytest.mark.parametrize("block_v", [32, 64])
+    @pytest.mark.parametrize("block_v", [16, 32, 64])
     def test_mixed_block_v(self, block_v):
         check_mixed(3, k=3, r=2, dtype=jnp.bfloat16, interpret=False, block_v=block_v, **QWEN)
 
