@@ -2,7 +2,8 @@
 """Peers (issue 7 d): Hugging Face transformers on the same shapes and GPU, greedy, batch 1:
 PyTorch eager; static cache + torch.compile (CUDA graphs; the first call's compile seconds are
 recorded separately); assisted generation with prompt lookup (`prompt_lookup_num_tokens`) where
-transformers supports it (it refuses stateful models such as Qwen3.5: the refusal is recorded).
+transformers supports it (5.17 refused stateful models such as Qwen3.5, 5.25 runs them: a refusal is
+recorded).
 
 Same prompt token ids as e2e.py (common.prompt_ids), and every run generates exactly --new-tokens
 tokens (min_new_tokens = max_new_tokens). The weights are torch random weights of the same config:
@@ -16,6 +17,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# The script's own folder (sys.path[0]) would shadow PyPI packages named like its siblings:
+# transformers imports the `kernels` package when it finds one, and benchmarks/kernels.py is not it.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gc  # noqa: E402

@@ -152,11 +152,12 @@ def test_kernel_sweep_smoke(smoke):
     _common_keys(doc, "kernel_sweep")
     assert not doc["errors"] and not doc["skipped"], (doc["errors"], doc["skipped"])
     rows = doc["results"]
-    configs = {k: {tuple(r["config"]) for r in rows if r["kernel"] == k} for k in ("attention", "gdn_verify")}
+    configs = {k: {tuple(r["config"]) for r in rows if r["kernel"] == k}
+               for k in ("attention", "gdn_verify", "gdn_verify_mixed")}
     # The grid (pages per step 1, 2 x splits 1, 2) plus the default (4 pages, its own split count).
     assert {(p, s, 4, 2) for p in (1, 2) for s in (1, 2)} < configs["attention"], configs
-    assert configs["gdn_verify"] == {(16, 4), (32, 4)}, configs
-    assert sum(r["default"] for r in rows) == 2  # one default per (kernel, shape)
+    assert configs["gdn_verify"] == configs["gdn_verify_mixed"] == {(16, 4), (32, 4)}, configs
+    assert sum(r["default"] for r in rows) == 3  # one default per (kernel, shape)
     for r in rows:
         assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
@@ -180,7 +181,11 @@ def test_peers_smoke(smoke):
     by = {r["shape"]: r["modes"] for r in doc["results"]}
     for mode in ("eager", "assisted", "static_compile"):
         assert by["demo-qwen3"][mode]["tokens_per_s"] > 0 and by["demo-qwen3"][mode]["tokens"] == 8
-    assert "stateful" in by["demo-qwen3.5"]["assisted"]["refused"]
+    assisted = by["demo-qwen3.5"]["assisted"]
+    if "refused" in assisted:  # transformers 5.17 refused assisted generation for stateful (GDN) models
+        assert "stateful" in assisted["refused"]
+    else:  # 5.25 runs it
+        assert assisted["tokens"] == 8 and assisted["same_tokens_as_eager"] is True
     assert by["demo-qwen3.5"]["static_compile"]["compiled"] is True
 
 
