@@ -103,6 +103,7 @@ def random_tap_heads(model, methods, dflash_layers: int, directory, seed: int = 
 
     sys.path.insert(0, str(common.REPO / "tools"))  # the heads' initialisers of tools/train_heads.py
     import train_heads
+
     from jaxspec.speculative import dflash, eagle3
 
     cfg = model.config

@@ -54,7 +54,8 @@ def parse(argv=None):
                    help="also profile the engine's prefill executable of one request at these chunk sizes "
                         "(comma list; its floor is the larger of bytes / bandwidth and FLOPs / matmul rate)")
     p.add_argument("--prefill-rows", default="1",
-                   help="requests per prefill call, as Model.prefill_rows packs them (comma list; each with each chunk)")
+                   help="requests per prefill call, as Model.prefill_rows packs them "
+                        "(comma list; each with each chunk)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunks only, no decode steps")
     p.add_argument("--rows", default=None, metavar="REGEX",
                    help="profile only the steps whose label matches this regular expression (re.search; "

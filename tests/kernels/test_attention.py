@@ -3,9 +3,9 @@ the split merge, write_kv placement. GPU-only classes: `python -m pytest tests/k
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels.attention import api, reference
 from pallas_kernels.attention.kernel import (

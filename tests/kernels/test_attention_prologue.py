@@ -87,7 +87,8 @@ def test_reference_is_the_unfused_ops():
     qkv, qn, kn, kp, vp, bt, sp, nv = make_case(2, span=2, n_heads=n_heads, n_kv=n_kv, head_dim=d, q_stride=qs,
                                                page_size=4, dtype=jnp.float32)
     q, k, v = reference.split_qkv(qkv, n_heads, n_kv, d, qs)
-    np.testing.assert_array_equal(np.asarray(q), np.asarray(qkv[..., :n_heads * qs]).reshape(4, 2, n_heads, qs)[..., :d])
+    want = np.asarray(qkv[..., :n_heads * qs]).reshape(4, 2, n_heads, qs)[..., :d]
+    np.testing.assert_array_equal(np.asarray(q), want)
     pos = sp[:, None] + jnp.arange(2)[None, :]
     q = reference.rope(reference.rms_norm(q, qn, 1e-6, False), pos, 1e6, rot)
     k = reference.rope(reference.rms_norm(k, kn, 1e-6, False), pos, 1e6, rot)

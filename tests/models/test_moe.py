@@ -1,7 +1,8 @@
 """The sparse MoE block (models/layers.moe): the gathered path (N * top_k < E, decode and short spans)
 and the grouped path (expert-sorted pairs through ragged_dot, or the Pallas grouped kernel with
-kernels="pallas"), and the dense fallback, equal a per-token float64 loop over the chosen experts, in float32 tightly and in bfloat16 by relative RMS, with tokens routed evenly or
-piled onto a few experts (most experts get no rows)."""
+kernels="pallas"), and the dense fallback, equal a per-token float64 loop over the chosen experts, in
+float32 tightly and in bfloat16 by relative RMS, with tokens routed evenly or piled onto a few experts
+(most experts get no rows)."""
 
 from __future__ import annotations
 
