@@ -256,6 +256,7 @@ def _cmd_info(args) -> int:
     for name, value in sorted(vars(cfg).items()):
         print(f"  {name}: {value}")
     print(f"parameters: {count:,} ({params_bytes(model.params) / 2**20:.2f} MiB as {model.dtype.__name__})")
+    print(f"kernels: {_kernels_line(model)}")
     print(f"loop: {model.rounds_per_dispatch} round(s) per dispatch, {model.dispatch_ahead} dispatch(es) ahead "
           f"of the read-back")
     print(f"mesh: {_mesh_line(model)}")
@@ -268,6 +269,16 @@ def _cmd_info(args) -> int:
             found = ", ".join(f"{n} {op}" for op, n in counts.items()) or "none"
             print(f"  {bucket.name} {bucket.describe()}: {found}")
     return 0
+
+
+def _kernels_line(model) -> str:
+    from jaxspec import ops
+    from jaxspec.models import packing
+
+    line = f"{model.kernels} -> {ops.resolve_kernels(model.kernels)}"
+    if any(packing.is_packed(layer["gdn"]) for layer in model.params["layers"] if "gdn" in layer):
+        line += "; GDN input projections packed into one weight per layer (docs/architecture.md)"
+    return line
 
 
 def _mesh_line(model) -> str:

@@ -50,6 +50,16 @@ def test_generate_prints_text_and_stats(capsys):
     assert "[jaxspec] 4 tokens in" in captured.err and "tok/s" in captured.err
 
 
+@pytest.mark.parametrize(("kernels", "line"), [
+    ("xla", "kernels: xla -> xla\n"),
+    ("pallas", "kernels: pallas -> pallas; GDN input projections packed into one weight per layer"),
+])
+def test_info_names_the_kernels_and_packing(kernels, line, capsys):
+    flags = [f for f in CLI_FLAGS if f not in ("--kernels", "xla")]
+    assert run_main(["info", "--model", "demo:qwen3_5", *flags, "--kernels", kernels]) == 0
+    assert line in capsys.readouterr().out
+
+
 def test_generate_batches_several_prompts(capsys):
     assert run_main([*GENERATE, "hi", "hello there"]) == 0
     out = capsys.readouterr().out
