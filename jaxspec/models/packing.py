@@ -37,6 +37,13 @@ def offsets(cfg: ModelConfig) -> dict[str, int]:
     return starts
 
 
+def split(y, cfg: ModelConfig) -> dict:
+    """{part: its columns} of an array whose last axis holds the packed columns (the weight, or a
+    projection output)."""
+    starts = offsets(cfg)
+    return {name: y[..., starts[name]:starts[name] + width] for name, width in zip(PARTS, widths(cfg), strict=True)}
+
+
 def packs(cfg: ModelConfig, kernels: str) -> bool:
     """Whether a model with this config and kernels choice runs packed GDN projections."""
     return cfg.mesh is None and ops.resolve_kernels(kernels) == "pallas"
@@ -59,11 +66,7 @@ def unpack_gdn(gdn: dict, cfg: ModelConfig) -> dict:
     """One GDN layer's params in the canonical layout (qkv, z, b, a), from either layout."""
     if not is_packed(gdn):
         return gdn
-    out = {key: value for key, value in gdn.items() if key != PACKED}
-    w, starts = gdn[PACKED], offsets(cfg)
-    for name, width in zip(PARTS, widths(cfg), strict=True):
-        out[name] = w[:, starts[name]:starts[name] + width]
-    return out
+    return {**{key: value for key, value in gdn.items() if key != PACKED}, **split(gdn[PACKED], cfg)}
 
 
 def pack(params: dict) -> dict:
@@ -87,7 +90,5 @@ def unpack(params: dict, cfg: ModelConfig) -> dict:
 def project(p: dict, cfg: ModelConfig, x):
     """The GDN input projections of x [..., H] from either layout: (qkv, z, b, a) with qkv [..., conv_dim],
     z [..., value_dim], b and a [..., HV]. Packed, one gemm and four slices of its output."""
-    if not is_packed(p):
-        return tuple(x @ p[name] for name in PARTS)
-    y, starts = x @ p[PACKED], offsets(cfg)
-    return tuple(y[..., starts[name]:starts[name] + width] for name, width in zip(PARTS, widths(cfg), strict=True))
+    parts = split(x @ p[PACKED], cfg) if is_packed(p) else {name: x @ p[name] for name in PARTS}
+    return tuple(parts[name] for name in PARTS)
