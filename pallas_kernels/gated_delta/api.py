@@ -110,26 +110,18 @@ def gdn_verify_mixed(
                       interpret=interpret)
 
 
-# Measured on the H200 (B=2, T=200, HV=16, dk=dv=128; docs/benchmarks.md): chunk 64 with 4 warps
-# took 3.56 ms, chunk 16 with block_v 16 took 0.20 ms (the intra-chunk forward substitution is
-# serial in the chunk size), all within 1e-6 relative RMS of the reference.
-PALLAS_PREFILL = dict(chunk_size=16, block_v=16, num_warps=4)
-
-
 def gdn_prefill(
     q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid,
     *, chunk_size: int | None = None, implementation: str = "xla", interpret: bool | None = None,
 ):
     """Chunked GDN prefill continuing from pool[read_idx]; final state -> pool[write_idx [B]].
-    Shapes as `gdn_verify`; returns (o [B, T, HV, dv] f32, pool). chunk_size None: 64 for the
-    reference, the measured best (16) for Pallas. Pallas takes any dk / dv (zero-padded to powers of
-    two >= 16 when needed, `_padded`)."""
+    Shapes as `gdn_verify`; returns (o [B, T, HV, dv] f32, pool). chunk_size None: 64 (for Pallas
+    the kernel's measured defaults decide the rest). Pallas takes any dk / dv (zero-padded to powers
+    of two >= 16 when needed, `_padded`)."""
     args = (q, k, v, g, beta, pool, read_idx, write_idx, has_state, num_valid)
     pallas, interpret = _use_pallas(implementation, interpret)
     if pallas:
-        settings = dict(PALLAS_PREFILL, **({"chunk_size": chunk_size} if chunk_size else {}))
-        block_v = min(settings.pop("block_v"), _kernel_dims(1, v.shape[-1], min_dim=MIN_DOT)[1])
-        return _padded(gdn_prefill_pallas, *args, min_dim=MIN_DOT, block_v=block_v, interpret=interpret, **settings)
+        return _padded(gdn_prefill_pallas, *args, min_dim=MIN_DOT, chunk_size=chunk_size or 64, interpret=interpret)
     return reference.gdn_prefill(*args, chunk_size=chunk_size or 64)
 
 

@@ -1,25 +1,29 @@
-"""GDN chunked prefill: two Pallas kernels (Triton lowering), WY/UT form (docs/model_math.md#chunked-prefill).
+"""GDN chunked prefill: three Pallas kernels (Triton lowering), WY/UT form (docs/model_math.md#chunked-prefill).
 
-Same semantics as `reference.gdn_prefill`. Not one fused kernel but two, both in Pallas, split where
-the work stops depending on the state (as FLA splits it):
+Same semantics as `reference.gdn_prefill`. Split where the work stops depending on the state (as
+FLA splits it), so only the middle kernel walks the chunks in order:
 
 1. `_intra_chunk_kernel`, grid (request, value head, chunk), all chunks in parallel. With
    G = cumsum(g) inside the chunk and A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for i > j, it forms
-   T = (I + A)^-1 in float32 by forward substitution over the C rows, then u = T (beta v) and
+   T = (I + A)^-1 in float32 (`_intra_chunk`: forward substitution inside 16-row diagonal blocks,
+   all blocks at once, then block substitution by whole-chunk dots), u = T (beta v) and
    w = T (beta exp(G) k). Writes u [C, dv], w [C, dk], G [C] (float32) per chunk.
 2. `_state_pass_kernel`, grid (request, value head, V-block), sequential over the chunks, state
    tile h [dk, BV] in float32 registers, starting from pool[read_idx] (zeros if not has_state):
-       v_new = u - w h
-       o     = (exp(G) q) h + (q k^T * exp(G_i - G_j), i >= j) v_new
+       h_c   = h                                   (stored: the state entering chunk c)
+       v_new = u - w h                             (stored)
        h    <- exp(G_last) h + (exp(G_last - G) k)^T v_new
    and finally h -> pool[write_idx], in place through `input_output_aliases`.
+3. `_output_kernel`, grid (request, value head, V-block, chunk), all chunks in parallel:
+       o     = (exp(G) q) h_c + (q k^T * exp(G_i - G_j), i >= j) v_new
 
 Tokens t >= num_valid are inert: q/k/v/g/beta are loaded as zeros (masked loads), as the reference
 zeroes them, so they leave the state unchanged and read out 0. Chunks entirely past num_valid are
 skipped (their outputs are written as zeros). Decay matrices are masked before exp, so with g <= 0
 every exp argument is <= 0 (G_i - G_j for i >= j, G_last - G_i, G_i) and no 0 * inf appears.
-Dots on float32 operands use HIGHEST precision (an IEEE fp32 dot, not TF32); bfloat16 q/k/v take
-the tensor-core path for q k^T and k k^T (exact products, float32 accumulation).
+Dots on float32 operands run as `f32_dots` says (three-pass TF32 by default, IEEE in the
+interpreter); bfloat16 q/k/v take the tensor-core path for q k^T and k k^T (exact products,
+float32 accumulation). The stored states cost B * HV * chunks * dk * dv * 4 bytes of scratch.
 """
 
 import functools
@@ -35,10 +39,20 @@ from pallas_kernels.triton_common import MIN_DOT, ignore_triton_deprecation, is_
 F32 = jnp.float32
 
 
-def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """a @ b (a^T / b^T when asked) -> float32; float32 operands at HIGHEST precision."""
+# How a dot of two float32 operands runs: "ieee" (FMA on the CUDA cores, exact float32 products)
+# or "tf32x3" (three TF32 tensor-core products per operand pair, the hi / lo split of each float32:
+# about float32's accuracy, far more throughput). The interpreter runs "ieee" whatever is asked
+# (XLA:CPU has no TF32 algorithm).
+F32_DOTS = ("ieee", "tf32x3")
+
+
+def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False, f32_dots: str = "ieee"):
+    """a @ b (a^T / b^T when asked) -> float32; float32 operands by `f32_dots`, bfloat16 ones on
+    the tensor cores (exact products, float32 accumulation)."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if a.dtype == F32 else None
+    precision = None
+    if a.dtype == F32:
+        precision = lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if f32_dots == "tf32x3" else lax.Precision.HIGHEST
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
@@ -59,18 +73,38 @@ def _decay(G, *, strict: bool):
     return jnp.where(mask, jnp.exp(jnp.where(mask, G[:, None] - G[None, :], 0.0)), 0.0)
 
 
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for strictly lower a [C, C], float32, by forward substitution over rows:
-    row i of T = e_i - sum_{j<i} a_ij T_j (static trip count; rows picked with masks, not slices)."""
-    n = a.shape[0]
-    rows, cols = jnp.arange(n)[:, None], jnp.arange(n)
+# Rows of one diagonal block of the chunk's triangular solve: the serial forward substitution is
+# SUB steps whatever the chunk size (all diagonal blocks advance together), the rest of
+# (I + A)^-1 is whole-chunk dots, so a 64-token chunk costs 16 serial steps, not 64.
+SUB = 16
 
-    def row_step(i, t):
-        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # [C] row i of a
-        t_i = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)  # [C]
-        return jnp.where(rows == i, t_i[None, :], t)
 
-    return lax.fori_loop(0, n, row_step, jnp.zeros((n, n), F32))
+def _intra_chunk(k, v, G, beta, dot):
+    """u, w of one chunk from whole-chunk tiles (k [C, dk], v [C, dv], G, beta [C], float32): A by
+    one dot; the SUB x SUB diagonal blocks of (I + A)^-1 as D by forward substitution, all blocks
+    at once (step i sets row i of every block: one dot per step); then, with L the strictly
+    block-lower part of A and M = D L, T = (I + M)^-1 D by block substitution
+    X <- D - M X (block row s is exact after s steps, M being block-nilpotent)."""
+    n = G.shape[0]
+    sub = min(SUB, n)
+    rows, cols = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    same = rows // sub == cols // sub
+    a = beta[:, None] * dot(k, k, trans_b=True) * _decay(G, strict=True)  # [C, C]
+    a_diag = jnp.where(same, a, 0.0)
+    eye = jnp.where(rows == cols, 1.0, 0.0)
+
+    def row_step(i, d):  # rows i, sub + i, ...: e_r - sum_j a_rj d_j over the rows already set
+        return jnp.where(rows % sub == i, eye - dot(a_diag, d), d)
+
+    d = lax.fori_loop(0, sub, row_step, jnp.zeros((n, n), F32))
+    t = d
+    if n > sub:
+        m = dot(d, jnp.where(same, 0.0, a))
+        for _ in range(n // sub - 1):
+            t = d - dot(m, t)
+    u = dot(t, beta[:, None] * v.astype(F32))
+    w = dot(t, (beta * jnp.exp(G))[:, None] * k.astype(F32))
+    return u, w
 
 
 def _intra_chunk_kernel(
@@ -82,27 +116,24 @@ def _intra_chunk_kernel(
     u_ref,  # [C, dv] f32   out: T (beta v)
     w_ref,  # [C, dk] f32   out: T (beta exp(G) k)
     gcum_ref,  # [C] f32    out: G = cumsum(g) within the chunk
+    *,
+    f32_dots: str,
 ):
     n = gcum_ref.shape[0]
     start = pl.program_id(2) * n
     n_live = jnp.minimum(valid_ref[0], k_ref.shape[0])
 
-    @pl.when(start < n_live)  # a chunk past num_valid is never read by the state pass
+    @pl.when(start < n_live)  # a chunk past num_valid is never read by the later kernels
     def _():
-        live = start + jnp.arange(n) < n_live  # [C]
+        live = start + jnp.arange(n) < n_live
         k, v = _load_rows(k_ref, start, live), _load_rows(v_ref, start, live)
-        g = _load_rows(g_ref, start, live).astype(F32)
+        G = jnp.cumsum(_load_rows(g_ref, start, live).astype(F32))  # <= 0, non-increasing
         beta = _load_rows(beta_ref, start, live).astype(F32)
-        G = jnp.cumsum(g)  # [C] <= 0, non-increasing
-        a = beta[:, None] * _dot(k, k, trans_b=True) * _decay(G, strict=True)  # [C, C]
-        t_inv = _unit_lower_inverse(a)
-        u_ref[...] = _dot(t_inv, beta[:, None] * v.astype(F32))
-        w_ref[...] = _dot(t_inv, (beta * jnp.exp(G))[:, None] * k.astype(F32))
+        u_ref[...], w_ref[...] = _intra_chunk(k, v, G, beta, functools.partial(_dot, f32_dots=f32_dots))
         gcum_ref[...] = G
 
 
 def _state_pass_kernel(
-    q_ref,  # [T, dk]     queries, key head h // r (normalised, scaled)
     k_ref,  # [T, dk]     keys, key head h // r
     u_ref,  # [Tp, BV] f32  from the intra-chunk kernel, this V-block
     w_ref,  # [Tp, dk] f32
@@ -112,44 +143,86 @@ def _state_pass_kernel(
     write_ref,  # [1] int32
     has_ref,  # [1] int32
     valid_ref,  # [1] int32
-    o_ref,  # [T, BV] f32
+    vnew_ref,  # [Tp, BV] f32  out: v_new of every live chunk
+    hs_ref,  # [chunks, dk, BV] f32  out: the state entering every live chunk
     pool_out_ref,  # [S, dk, BV] the same pool buffer (aliased), receives the final state
     *,
     chunk_size: int,
     barrier: bool,
+    f32_dots: str,
 ):
-    seq_len, n = q_ref.shape[0], chunk_size
+    """The sequential part alone: v_new and the state entering each chunk, for `_output_kernel`."""
+    seq_len, n = k_ref.shape[0], chunk_size
+    dot = functools.partial(_dot, f32_dots=f32_dots)
     n_live = jnp.minimum(valid_ref[0], seq_len)
     h = jnp.where(has_ref[0] != 0, pool_ref[read_ref[0]].astype(F32), 0.0)  # [dk, BV]
     if barrier:  # the start tile is in registers before the final state is stored
         pltriton.debug_barrier()
 
-    def in_bounds(start):  # [C, 1] rows of this chunk that exist in o
-        return (start + jnp.arange(n) < seq_len)[:, None]
-
     def chunk(c, h):
         start = c * n
         live = start + jnp.arange(n) < n_live
-        q, k = _load_rows(q_ref, start, live), _load_rows(k_ref, start, live)  # [C, dk]
+        k = _load_rows(k_ref, start, live)
         u, w = u_ref[pl.ds(start, n)], w_ref[pl.ds(start, n)]  # [C, BV], [C, dk]
         G = gcum_ref[pl.ds(start, n)]  # [C]
         g_last = gcum_ref[start + n - 1]
-        attn = _dot(q, k, trans_b=True) * _decay(G, strict=False)  # [C, C]
-        v_new = u - _dot(w, h)  # [C, BV] corrected values
-        o = _dot(jnp.exp(G)[:, None] * q.astype(F32), h) + _dot(attn, v_new)
-        pltriton.store(o_ref.at[pl.ds(start, n)], o.astype(o_ref.dtype), mask=in_bounds(start))
+        hs_ref[c] = h
+        v_new = u - dot(w, h)  # [C, BV] corrected values
+        vnew_ref[pl.ds(start, n)] = v_new
         k_dec = jnp.exp(g_last - G)[:, None] * k.astype(F32)  # [C, dk]
-        return jnp.exp(g_last) * h + _dot(k_dec, v_new, trans_a=True)
+        return jnp.exp(g_last) * h + dot(k_dec, v_new, trans_a=True)
 
-    def zero_chunk(c, carry):  # chunks past num_valid read out 0 (the reference zeroes their q)
-        start = c * n
-        pltriton.store(o_ref.at[pl.ds(start, n)], jnp.zeros((n, o_ref.shape[1]), o_ref.dtype), mask=in_bounds(start))
-        return carry
-
-    n_live_chunks = pl.cdiv(n_live, n)
-    h = lax.fori_loop(0, n_live_chunks, chunk, h)
-    lax.fori_loop(n_live_chunks, pl.cdiv(seq_len, n), zero_chunk, 0)
+    h = lax.fori_loop(0, pl.cdiv(n_live, n), chunk, h)
     pool_out_ref[write_ref[0]] = h.astype(pool_out_ref.dtype)
+
+
+def _output_kernel(
+    q_ref,  # [T, dk]     queries, key head h // r (normalised, scaled)
+    k_ref,  # [T, dk]     keys
+    vnew_ref,  # [Tp, BV] f32
+    hs_ref,  # [chunks, dk, BV] f32
+    gcum_ref,  # [Tp] f32
+    valid_ref,  # [1] int32
+    o_ref,  # [T, BV] f32
+    *,
+    chunk_size: int,
+    f32_dots: str,
+):
+    """o of one chunk, all chunks in parallel: (exp(G) q) h_c + (q k^T * Gamma) v_new."""
+    seq_len, n = q_ref.shape[0], chunk_size
+    c = pl.program_id(3)
+    start = c * n
+    n_live = jnp.minimum(valid_ref[0], seq_len)
+    in_bounds = (start + jnp.arange(n) < seq_len)[:, None]  # rows of this chunk that exist in o
+
+    @pl.when(start < n_live)
+    def _():
+        dot = functools.partial(_dot, f32_dots=f32_dots)
+        live = start + jnp.arange(n) < n_live
+        q, k = _load_rows(q_ref, start, live), _load_rows(k_ref, start, live)  # [C, dk]
+        G = gcum_ref[pl.ds(start, n)]  # [C]
+        attn = dot(q, k, trans_b=True) * _decay(G, strict=False)  # [C, C]
+        o = dot(jnp.exp(G)[:, None] * q.astype(F32), hs_ref[c]) + dot(attn, vnew_ref[pl.ds(start, n)])
+        pltriton.store(o_ref.at[pl.ds(start, n)], o.astype(o_ref.dtype), mask=in_bounds)
+
+    @pl.when(start >= n_live)  # chunks past num_valid read out 0 (the reference zeroes their q)
+    def _():
+        pltriton.store(o_ref.at[pl.ds(start, n)], jnp.zeros((n, o_ref.shape[1]), o_ref.dtype), mask=in_bounds)
+
+
+# V-block of the state pass and the output kernel: 64 columns once the state pass has at least one
+# program per SM at that width, else 32. Measured on one H200 (chunk 64, tf32x3, 2 stages; docs/
+# benchmarks.md "GDN chunked prefill"): B 8 x T 512 at 16 / 48 value heads 64 columns 760 / 2135 us
+# busy against 1041 / 2865 at 32; B 1 x T 4096, 16 heads: 32 columns 1301 us against 1366 at 64.
+WIDE_BLOCK_V = 64
+SM_COUNT = 132
+
+
+def default_block_v(b: int, hv: int, dv: int) -> int:
+    """V-block width for b requests of hv value heads with dv columns each."""
+    if dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= SM_COUNT:
+        return WIDE_BLOCK_V
+    return min(32, dv)
 
 
 def _check(q, v, pool, chunk_size: int, block_v: int):
@@ -166,14 +239,14 @@ def _check(q, v, pool, chunk_size: int, block_v: int):
         raise ValueError(f"{block_v=} must divide {dv=}")
 
 
-def _intra_chunk(k, v, g, beta, num_valid, *, chunk_size, hv, interpret, num_warps):
+def _intra_chunk_call(k, v, g, beta, num_valid, *, chunk_size, hv, interpret, num_warps, f32_dots):
     """u [B, HV, Tp, dv], w [B, HV, Tp, dk], G [B, HV, Tp] (float32, Tp = chunks * C)."""
     b, t, hk, dk = k.shape
     dv, r = v.shape[3], hv // hk
     n_chunks = pl.cdiv(t, chunk_size)
     tp = n_chunks * chunk_size
     call = pl.pallas_call(
-        _intra_chunk_kernel,
+        functools.partial(_intra_chunk_kernel, f32_dots=f32_dots),
         grid=(b, hv, n_chunks),
         in_specs=[
             pl.BlockSpec((None, t, None, dk), lambda i, h, c: (i, 0, h // r, 0)),  # k
@@ -215,53 +288,66 @@ def gdn_prefill_pallas(
     interpret: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,
+    f32_dots: str = "tf32x3",
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas chunked GDN prefill; same contract as `reference.gdn_prefill`.
 
     Returns o [B, T, HV, dv] float32 and the pool with pool[write_idx[b]] = the state after the
-    last valid token. T need not be a multiple of `chunk_size` (16, 32 or 64). `block_v` (power of
-    two >= 16 dividing dv, default min(32, dv)) is the V-block of the state pass. With duplicate
-    write slots (padding rows write the null slot 0) slot 0 holds any one of them.
+    last valid token. T need not be a multiple of `chunk_size` (a power of two >= 16). `block_v`
+    (power of two >= 16 dividing dv; default `default_block_v`) is the V-block of the state pass
+    and the output kernel; `num_stages` their Triton pipeline depth (default 2, 1 past 64 columns,
+    where two stages of the state pass's tiles overflow an H200's 227 KiB of shared memory).
+    `f32_dots` (F32_DOTS) is how the float32 dots run when compiled; interpreted they are IEEE. With
+    duplicate write slots (padding rows write the null slot 0) slot 0 holds any one of them.
     """
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    block_v = block_v or min(32, dv)
+    block_v = block_v or default_block_v(b, hv, dv)
+    num_stages = num_stages or (2 if block_v <= WIDE_BLOCK_V else 1)
     _check(q, v, pool, chunk_size, block_v)
+    if f32_dots not in F32_DOTS:
+        raise ValueError(f"{f32_dots=} must be one of {F32_DOTS}")
+    f32_dots = "ieee" if interpret else f32_dots
     i32 = jnp.int32
     num_valid = num_valid.astype(i32)
     r, n_slots = hv // hk, pool.shape[0]
     with ignore_triton_deprecation():
-        u, w, gcum = _intra_chunk(
-            k, v, g, beta, num_valid, chunk_size=chunk_size, hv=hv, interpret=interpret, num_warps=num_warps
-        )
+        u, w, gcum = _intra_chunk_call(k, v, g, beta, num_valid, chunk_size=chunk_size, hv=hv, interpret=interpret,
+                                       num_warps=num_warps, f32_dots=f32_dots)
         tp = u.shape[2]
-        key_spec = pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, 0))
+        n_chunks = tp // chunk_size
+        key_spec = pl.BlockSpec((None, t, None, dk), lambda i, h, j, *_: (i, 0, h // r, 0))
         pool_spec = pl.BlockSpec((n_slots, None, dk, block_v), lambda i, h, j: (0, h, 0, j))
-        scalar_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
-        out_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
-        call = pl.pallas_call(
-            functools.partial(_state_pass_kernel, chunk_size=chunk_size, barrier=not interpret),
+        scalar_spec = pl.BlockSpec((1,), lambda i, h, j, *_: (i,))
+        rows_spec = pl.BlockSpec((None, None, tp, block_v), lambda i, h, j, *_: (i, h, 0, j))  # u, v_new
+        gcum_spec = pl.BlockSpec((None, None, tp), lambda i, h, j, *_: (i, h, 0))
+        states_spec = pl.BlockSpec((None, None, n_chunks, dk, block_v), lambda i, h, j, *_: (i, h, 0, 0, j))
+        kernel_args = dict(chunk_size=chunk_size, f32_dots=f32_dots)
+        params = triton_compiler_params(num_warps, num_stages=num_stages)
+        state_call = pl.pallas_call(
+            functools.partial(_state_pass_kernel, barrier=not interpret, **kernel_args),
             grid=(b, hv, dv // block_v),
-            in_specs=[
-                key_spec,  # q
-                key_spec,  # k
-                pl.BlockSpec((None, None, tp, block_v), lambda i, h, j: (i, h, 0, j)),  # u
-                pl.BlockSpec((None, None, tp, dk), lambda i, h, j: (i, h, 0, 0)),  # w
-                pl.BlockSpec((None, None, tp), lambda i, h, j: (i, h, 0)),  # G
-                pool_spec,
-                scalar_spec,  # read_idx
-                scalar_spec,  # write_idx
-                scalar_spec,  # has_state
-                scalar_spec,  # num_valid
-            ],
-            out_specs=[out_spec, pool_spec],
-            out_shape=[jax.ShapeDtypeStruct((b, t, hv, dv), F32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-            input_output_aliases={5: 1},
-            compiler_params=triton_compiler_params(num_warps, num_stages=1),
+            in_specs=[key_spec, rows_spec, pl.BlockSpec((None, None, tp, dk), lambda i, h, j: (i, h, 0, 0)),
+                      gcum_spec, pool_spec, *[scalar_spec] * 4],
+            out_specs=[rows_spec, states_spec, pool_spec],
+            out_shape=[jax.ShapeDtypeStruct((b, hv, tp, dv), F32), jax.ShapeDtypeStruct((b, hv, n_chunks, dk, dv), F32),
+                       jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+            input_output_aliases={4: 2},
+            compiler_params=params,
             interpret=interpret,
             name="gdn_chunk_state_pass",
         )
-        return call(
-            q, k, u, w, gcum, pool,
-            read_idx.astype(i32), write_idx.astype(i32), has_state.astype(i32), num_valid,
+        v_new, states, pool = state_call(k, u, w, gcum, pool, read_idx.astype(i32), write_idx.astype(i32),
+                                         has_state.astype(i32), num_valid)
+        out_call = pl.pallas_call(
+            functools.partial(_output_kernel, **kernel_args),
+            grid=(b, hv, dv // block_v, n_chunks),
+            in_specs=[key_spec, key_spec, rows_spec, states_spec, gcum_spec, scalar_spec],
+            out_specs=pl.BlockSpec((None, t, None, block_v), lambda i, h, j, c: (i, 0, h, j)),
+            out_shape=jax.ShapeDtypeStruct((b, t, hv, dv), F32),
+            compiler_params=params,
+            interpret=interpret,
+            name="gdn_chunk_output",
         )
+        return out_call(q, k, v_new, states, gcum, num_valid), pool

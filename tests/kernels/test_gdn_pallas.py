@@ -9,6 +9,8 @@ bfloat16 conv output (about one bfloat16 rounding, 2^-8). Pools are compared on 
 rows all write there, in an unspecified order); conv lines must match exactly.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 from jaxspec import ops
 from pallas_kernels.gated_delta import api
+from pallas_kernels.gated_delta import chunk as C
 from pallas_kernels.gated_delta import reference as R
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
@@ -31,7 +34,7 @@ verify_ref = jax.jit(R.gdn_verify)
 prefill_ref = jax.jit(R.gdn_prefill, static_argnames="chunk_size")
 conv_ref = jax.jit(R.conv_update, static_argnames="mode")
 verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v"))
-prefill_pallas = jax.jit(gdn_prefill_pallas, static_argnames=("chunk_size", "interpret", "block_v"))
+prefill_pallas = jax.jit(gdn_prefill_pallas, static_argnames=("chunk_size", "interpret", "block_v", "f32_dots"))
 conv_pallas = jax.jit(conv_update_pallas, static_argnames=("mode", "interpret", "block_c", "block_t"))
 
 
@@ -154,7 +157,8 @@ def test_verify_interpret_bfloat16(k, r):
 # ----------------------------------------------------------------------------------------------
 
 
-def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="normal", hk, dk, dv):
+def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="normal", hk, dk, dv,
+                  f32_dots="tf32x3"):
     """Rows: fresh full row (slot 1), a continuation of chunk + 1 tokens (reads 2, writes 3), one of
     exactly one chunk (slot 4), a padding row; slot 5 must stay untouched."""
     rng = np.random.default_rng(seed)
@@ -163,7 +167,7 @@ def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="n
     inputs = gdn_inputs(rng, num_valid, T, hk=hk, hv=hv, dk=dk, dv=dv, dtype=dtype, gates=gates)
     pool = jnp.asarray(rng.standard_normal((6, hv, dk, dv)) * 0.5, jnp.float32)
     args = (*inputs, pool, i32(1, 2, 4, 0), i32(1, 3, 4, 0), jnp.asarray([False, True, True, True]), i32(*num_valid))
-    got = prefill_pallas(*args, chunk_size=chunk, interpret=interpret, block_v=block_v)
+    got = prefill_pallas(*args, chunk_size=chunk, interpret=interpret, block_v=block_v, f32_dots=f32_dots)
     want = prefill_ref(*args, chunk_size=chunk)
     assert_close(got[0], want[0], dtype)
     assert_close(got[1][1:], want[1][1:], dtype)
@@ -171,8 +175,9 @@ def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="n
     assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
 
 
-# T = 40 with chunk 16: rows of 40 (3 chunks, the last partial), 17 and 16 valid tokens.
-PREFILL_CASES = [(40, 16, 1), (33, 16, 3), (70, 64, 2)]
+# T = 40 with chunk 16: rows of 40 (3 chunks, the last partial), 17 and 16 valid tokens; chunks
+# of 32 and 64 run the diagonal-block substitution and the block steps of the intra-chunk solve.
+PREFILL_CASES = [(40, 16, 1), (33, 16, 3), (70, 32, 1), (70, 64, 2), (140, 64, 1)]
 
 
 @pytest.mark.parametrize(("T", "chunk", "r"), PREFILL_CASES)
@@ -184,9 +189,49 @@ def test_prefill_interpret_bfloat16():
     check_prefill(5, T=40, chunk=16, r=2, dtype=jnp.bfloat16, interpret=True, **SMALL)
 
 
-def test_prefill_interpret_extreme_gates():
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_prefill_interpret_extreme_gates(chunk):
     """g in {-50, ~0}, beta ~ 1: the explicit (I + A)^-1 must stay as exact as the reference's solve."""
-    check_prefill(6, T=40, chunk=16, r=1, dtype=jnp.float32, interpret=True, gates="extreme", **SMALL)
+    check_prefill(6, T=140, chunk=chunk, r=1, dtype=jnp.float32, interpret=True, gates="extreme", **SMALL)
+
+
+@pytest.mark.parametrize("n", [16, 32, 64])
+@pytest.mark.parametrize("keys", ["random", "repeated"])
+def test_intra_chunk_solve_matches_a_dense_inverse(n, keys):
+    """u = (I + A)^-1 (beta v), w = (I + A)^-1 (beta exp(G) k) against numpy's dense inverse in
+    float64. Repeated keys with beta = 1 and no decay make A the all-ones strictly lower matrix,
+    whose powers grow like binomials (the case that rules out a product-of-powers inverse)."""
+    rng = np.random.default_rng(n)
+    dk = dv = 16
+    k = rng.standard_normal((n, dk))
+    if keys == "repeated":
+        k[:] = k[0]
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((n, dv))
+    g = np.zeros(n) if keys == "repeated" else -np.log1p(np.exp(rng.standard_normal(n)))
+    beta = np.ones(n) if keys == "repeated" else _sigmoid(rng.standard_normal(n))
+    G = np.cumsum(g)
+    a = np.tril(beta[:, None] * (k @ k.T) * np.exp(G[:, None] - G[None, :]), -1)
+    t = np.linalg.inv(np.eye(n) + a)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    u, w = jax.jit(C._intra_chunk, static_argnums=4)(f32(k), f32(v), f32(G), f32(beta), C._dot)
+    np.testing.assert_allclose(rel_rms(u, t @ (beta[:, None] * v)), 0, atol=1e-6)
+    np.testing.assert_allclose(rel_rms(w, t @ ((beta * np.exp(G))[:, None] * k)), 0, atol=1e-6)
+
+
+def test_prefill_default_block_v_widens_a_full_grid():
+    assert C.default_block_v(8, 16, 128) == 64  # 256 programs at 64 columns
+    assert C.default_block_v(1, 16, 128) == 32  # 32 programs at 64 columns would leave SMs idle
+    assert C.default_block_v(1, 4, 16) == 16
+
+
+def test_prefill_refuses_an_unknown_dot_mode():
+    rng = np.random.default_rng(0)
+    inputs = gdn_inputs(rng, [8], 8, hv=2, dtype=jnp.float32, **SMALL)
+    pool = jnp.zeros((2, 2, 16, 16), jnp.float32)
+    with pytest.raises(ValueError, match="f32_dots='tf32'.*'ieee', 'tf32x3'"):
+        gdn_prefill_pallas(*inputs, pool, i32(1), i32(1), jnp.asarray([False]), i32(8), interpret=True,
+                           f32_dots="tf32")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,8 +375,10 @@ class TestPallasGPU:
     def test_prefill_blocks(self, chunk, block_v):
         check_prefill(7, T=130, chunk=chunk, r=2, dtype=jnp.bfloat16, interpret=False, block_v=block_v, **QWEN)
 
-    def test_prefill_extreme_gates(self):
-        check_prefill(8, T=130, chunk=64, r=3, dtype=jnp.float32, interpret=False, gates="extreme", **QWEN)
+    @pytest.mark.parametrize("f32_dots", ["ieee", "tf32x3"])
+    def test_prefill_extreme_gates(self, f32_dots):
+        check_prefill(8, T=130, chunk=64, r=3, dtype=jnp.float32, interpret=False, gates="extreme", f32_dots=f32_dots,
+                      **QWEN)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     @pytest.mark.parametrize(("mode", "T", "k_max"), CONV_CASES + [("prefill", 300, 3)])
