@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Kernels (issue 6): each Pallas kernel against its XLA reference, and flash-linear-attention's
-fused_recurrent / chunk gated delta rule where `import fla` works, on the Qwen3.5-2B, Qwen3.5-27B
-and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}. On a GPU the verify
+fused_recurrent / chunk gated delta rule and causal conv where `import fla` works, on the
+Qwen3.5-2B, Qwen3.5-27B and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}. On a GPU the verify
 recurrence also runs its Mosaic GPU kernel (impl "mosaic"), so the Triton-vs-Mosaic backend choice
 is measured in the same run.
 
@@ -15,9 +15,9 @@ bandwidth plus one kernel launch, measured; reported also as t(1+k) / t(1)), the
 One jitted call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV pages rotated so
 repeated calls do not just hit the 60 MB L2) and the time is per kernel call.
 fla runs through torch with triton.testing.do_bench (L2 flushed between calls); its recurrent
-kernel writes only the final state, not one snapshot per token, so it is a lower bound on the
-verify's work. GDN kernels are imported lazily: a missing or failing kernel is skipped and the
-reason recorded.
+kernel writes only the final state, not one snapshot per token, and its conv only the final window,
+so both are lower bounds on our verify's work. Layouts run in the order --layouts names them. GDN
+kernels are imported lazily: a missing or failing kernel is skipped and the reason recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functools  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -93,18 +94,19 @@ def _import(kind: str):
 
 
 def _fla():
-    """(fla gated_delta_rule module, None) or (None, reason)."""
+    """(namespace of fla's gated_delta_rule and causal_conv1d modules, None) or (None, reason)."""
     import jax
 
     if jax.default_backend() != "gpu":
         return None, "fla runs on CUDA only (this backend is " + jax.default_backend() + ")"
     try:
         import torch
+        from fla.modules import causal_conv1d
         from fla.ops import gated_delta_rule
 
         if not torch.cuda.is_available():
             return None, "torch sees no CUDA device"
-        return gated_delta_rule, None
+        return types.SimpleNamespace(gdn=gated_delta_rule, conv=causal_conv1d), None
     except Exception as e:
         return None, f"import fla failed: {type(e).__name__}: {e}"
 
@@ -418,33 +420,49 @@ def _relative_to_one_token(results: list[dict], kernel: str, name: str) -> None:
             r["over_one_token"] = r["us"] / one[key(r)]
 
 
-def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
-    """fla's fused_recurrent (verify) / chunk (prefill) on the same shapes, timed with do_bench."""
+def _fla_call(kernel: str, fla, layout, B: int, T: int):
+    """(call, bytes floor, note) of fla's kernel for one config: fused_recurrent (verify) / chunk
+    (prefill) gated delta rule, or causal conv + SiLU (conv: the one-token update at T = 1, the
+    sequence form with an initial and a final window past it)."""
     import torch
-    import triton
 
     HK, HV, dk, dv = layout
+    if kernel == "conv":
+        C = 2 * HK * dk + HV * dv
+        x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+        weight = 0.5 * torch.randn(C, CONV_K, device="cuda", dtype=torch.bfloat16)
+        window = torch.randn(B, C, CONV_K, device="cuda", dtype=torch.bfloat16)
+        if T == 1:
+            call = functools.partial(fla.conv.causal_conv1d_update, x, window, weight=weight, activation="silu")
+        else:
+            call = functools.partial(fla.conv.causal_conv1d, x, weight=weight, initial_state=window,
+                                     output_final_state=True, activation="silu")
+        return call, (2 * B * T * C + 2 * B * C * CONV_K + C * CONV_K) * 2, "final window only (no per-token windows)"
+    q, k, v = (torch.randn(B, T, h, d, device="cuda", dtype=torch.bfloat16) for h, d in ((HK, dk), (HK, dk), (HV, dv)))
+    g = -torch.nn.functional.softplus(torch.randn(B, T, HV, device="cuda", dtype=torch.float32))
+    beta = torch.rand(B, T, HV, device="cuda", dtype=torch.bfloat16)
+    h0 = 0.1 * torch.randn(B, HV, dk, dv, device="cuda", dtype=torch.float32)
+    fn = fla.gdn.fused_recurrent_gated_delta_rule if kernel == "gdn_verify" else fla.gdn.chunk_gated_delta_rule
+    call = functools.partial(fn, q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+    floor = 2 * B * HV * dk * dv * 4 + B * T * (2 * HK * dk * 2 + 2 * HV * dv * 2)
+    return call, floor, "final state only (no per-token snapshots); l2norm in kernel"
+
+
+def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
+    """fla's kernel of the same group on the same shapes (`_fla_call`), timed with do_bench."""
+    import triton
+
     for B, T, _ in _configs(kernel, args):
-        q, k, v = (torch.randn(B, T, h, d, device="cuda", dtype=torch.bfloat16)
-                   for h, d in ((HK, dk), (HK, dk), (HV, dv)))
-        g = -torch.nn.functional.softplus(torch.randn(B, T, HV, device="cuda", dtype=torch.float32))
-        beta = torch.rand(B, T, HV, device="cuda", dtype=torch.bfloat16)
-        h0 = 0.1 * torch.randn(B, HV, dk, dv, device="cuda", dtype=torch.float32)
-        fn = fla.fused_recurrent_gated_delta_rule if kernel == "gdn_verify" else fla.chunk_gated_delta_rule
-        args_ = (q, k, v)
-        kwargs = dict(g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
         try:
-            us = triton.testing.do_bench(functools.partial(fn, *args_, **kwargs), warmup=25, rep=100,
-                                         return_mode="median") * 1e3
+            call, floor, note = _fla_call(kernel, fla, layout, B, T)
+            us = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
         except Exception as e:
             res.error(f"fla {kernel} {name} B={B} T={T}", e)
             continue
-        state = B * HV * dk * dv * 4
-        floor = 2 * state + B * T * (2 * HK * dk * 2 + 2 * HV * dv * 2)
-        res.data["results"].append({"kernel": kernel, "layout": name, "B": B, "T": T, "k": T - 1,
-                                    "impl": "fla", "us": us, "floor_us": floor / res.data["bandwidth"]["bytes_per_s"]
-                                    * 1e6, "note": "final state only (no per-token snapshots); bf16 q/k/v, "
-                                    "l2norm in kernel; do_bench median, L2 flushed"})
+        res.data["results"].append({"kernel": kernel, "layout": name, "B": B, "T": T, "k": T - 1, "impl": "fla",
+                                    "us": us, "floor_us": floor / res.data["bandwidth"]["bytes_per_s"] * 1e6,
+                                    "note": f"{note}; bf16; do_bench median, L2 flushed"})
     res.save()
 
 
@@ -482,7 +500,7 @@ def main(argv=None) -> int:
     log(f"HBM read bandwidth {bw['tb_per_s']:.3f} TB/s")
     gdn_layouts = SMOKE_GDN if args.smoke else GDN_LAYOUTS
     attn_layouts = SMOKE_ATTN if args.smoke else ATTN_LAYOUTS
-    wanted = set(args.layouts.split(",")) if args.layouts else None
+    wanted = args.layouts.split(",") if args.layouts else None
     launch_us = None
     if "attention" in args.kernels.split(","):
         try:
@@ -505,16 +523,17 @@ def main(argv=None) -> int:
             res.skip(kernel, reason)
             continue
         layouts = attn_layouts if kernel == "attention" else gdn_layouts
-        for name, layout in layouts.items():
-            if wanted and name not in wanted:
+        for name in wanted or layouts:  # in the order asked: a budget cut keeps the first ones
+            if name not in layouts:
                 continue
+            layout = layouts[name]
             if not budget.allows():
                 res.skip(f"{kernel} {name}", "budget")
                 continue
             t0 = time.perf_counter()
             try:
                 run_layout(kernel, name, layout, api, args, res, bw["bytes_per_s"], launch_us)
-                if fla is not None and kernel in ("gdn_verify", "prefill") and budget.allows():
+                if fla is not None and kernel in ("gdn_verify", "prefill", "conv") and budget.allows():
                     run_fla(kernel, name, layout, fla, args, res)
             except Exception as e:
                 res.error(f"{kernel} {name}", e)
