@@ -97,7 +97,8 @@ def _attention_kernel(
     row_ok = (row < span * group) & (row // group < n_valid)  # [M] pad rows/tokens are inert
     # Keys needed: positions < start + num_valid; a padding row (num_valid = 0) has no live block.
     kv_len = jnp.where(n_valid > 0, start + n_valid, 0)
-    n_blocks = jnp.minimum(pl.cdiv(kv_len, block_k), bt_ref.shape[0] // pages_per_block)
+    n_slots = bt_ref.shape[0]
+    n_blocks = jnp.minimum(pl.cdiv(kv_len, block_k), pl.cdiv(n_slots, pages_per_block))
     first, last = _split_range(n_blocks, pl.program_id(2), num_splits)
 
     key = jnp.arange(block_k, dtype=jnp.int32)
@@ -116,7 +117,14 @@ def _attention_kernel(
     def body(j, carry):
         acc, m_prev, l_prev = carry  # [M, Dp], [M], [M] float32
         # Pool rows of keys j * block_k .. + block_k of this request (block table -> page -> row).
-        rows = bt_ref[j * pages_per_block + key // page_size] * page_size + key % page_size
+        # A last block reaching past the table's width reads the null page there (keys past kv_len:
+        # masked), so the table is never padded to whole blocks.
+        slot = j * pages_per_block + key // page_size
+        if n_slots % pages_per_block:
+            page = pltriton.load(bt_ref.at[slot], mask=slot < n_slots, other=0)
+        else:
+            page = bt_ref[slot]
+        rows = page * page_size + key % page_size
         k, v = load(k_ref, rows), load(v_ref, rows)
         s = dot(q, k, contract_b=1) * scale  # q k^T: [M, block_k] float32
         mask = ((j * block_k + key)[None, :] <= row_pos[:, None]) & row_ok[:, None]
@@ -275,8 +283,6 @@ def paged_attention_pallas(
     num_splits = num_splits or default_num_splits(r, nkv, n_slots, pages_per_block)
     m_rows = max(MIN_DOT, pl.next_power_of_2(span * (nh // nkv)))
     dp = padded_head_dim(d)
-    # Pad the table to whole blocks with the null page; those keys lie past kv_len (masked).
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, -n_slots % pages_per_block)))
     # The partials' split axis is a power of two (the merge takes it whole); programs past
     # num_splits own no block and write empty partials, which merge as nothing.
     grid_splits = pl.next_power_of_2(num_splits)

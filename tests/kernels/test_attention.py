@@ -1,6 +1,8 @@
 """Paged span attention: reference vs dense numpy, Pallas (split-KV and one-pass) vs reference,
 the split merge, write_kv placement. GPU-only classes: `python -m pytest tests/kernels -k GPU`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -383,15 +385,37 @@ def test_long_spans_run_in_query_blocks(T):
     np.testing.assert_allclose(np.asarray(got) * mask, np.asarray(ref) * mask, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize(("head_dim", "splits"), [(128, 8), (128, 1), (24, 4)])
-def test_kernel_lowers_to_triton(head_dim, splits):
-    """The Pallas -> Triton lowering rules (power-of-two tensors, gathers, masked loads) on CPU."""
-    import functools
+@pytest.mark.parametrize("splits", [1, 2])
+def test_last_loop_step_past_the_table_width(splits):
+    """Tables of 7 slots, 4 pages per loop step: the second step's slot 7 does not exist (read as
+    the null page, masked); the row whose context reaches slot 5 still reads its keys there. The
+    interpreter clamps a stray index, so on CPU this checks the result; the GPU classes run the
+    masked load for real."""
+    pallas_vs_reference(11, k=3, group=2, page_size=4, pages_per_block=4, dtype=jnp.float32, interpret=True,
+                        starts=(17, 2), num_splits=splits)
 
+
+def test_table_is_not_padded_to_whole_loop_steps():
+    """A block table of 33 slots with 4 pages per loop step: the kernel reads the last step's
+    missing slots as the null page instead of padding the table (a copy per call and layer)."""
+    R, T, nh, nkv, D, page, P = 1, 2, 4, 2, 16, 16, 33
+    q = jnp.zeros((R, T, nh, D), jnp.float32)
+    pool = jnp.zeros((8, page, nkv, D), jnp.float32)
+    fn = functools.partial(paged_attention_pallas, scale=0.25, interpret=True, pages_per_block=4)
+    jaxpr = jax.make_jaxpr(fn)(q, pool, pool, jnp.zeros((R, P), jnp.int32), jnp.zeros((R,), jnp.int32),
+                               jnp.ones((R,), jnp.int32))
+    outer = {str(e.primitive) for e in jaxpr.jaxpr.eqns}
+    assert "pallas_call" in outer and "pad" not in outer, outer
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.parametrize(("head_dim", "splits", "P"), [(128, 8, 32), (128, 1, 33), (24, 4, 33)])
+def test_kernel_lowers_to_triton(head_dim, splits, P):
+    """The Pallas -> Triton lowering rules (power-of-two tensors, gathers, masked loads, a table
+    width that is not whole loop steps) on CPU."""
     from tests.kernels.test_gdn_pallas import _lower_for_cuda
 
-    R, T, nh, nkv, n_pages, page, P, bf, i = 2, 4, 8, 2, 64, 16, 32, jnp.bfloat16, jnp.int32
+    R, T, nh, nkv, n_pages, page, bf, i = 2, 4, 8, 2, 64, 16, jnp.bfloat16, jnp.int32
     fn = functools.partial(paged_attention_pallas, scale=0.1, num_splits=splits)
     pool = ((n_pages, page, nkv, head_dim), bf)
     hlo = _lower_for_cuda(fn, ((R, T, nh, head_dim), bf), pool, pool, ((R, P), i), ((R,), i), ((R,), i))
