@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Kernel launch-parameter sweep: the paged span attention (pages per loop step x KV splits x warps x
-pipeline stages) and the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
-"gdn_verify_mixed" the one the model runs, with the layer's glue inside), each config timed as
-pipelined wall per call and profiled for the GPU busy time of its own kernels, beside its bytes floor.
+pipeline stages), the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
+"gdn_verify_mixed" the one the model runs, with the layer's glue inside) and the GDN chunked prefill
+(chunk x V-block x warps x stages x float32 dot mode), each config timed as pipelined wall per call
+and profiled for the GPU busy time of its own kernels, beside its bytes floor.
 
 This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
-pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py)
-were chosen; the default config of each shape is always timed and marked. Inputs and floors are
-benchmarks/kernels.py's (KV pages and state slots rotated past the L2). Busy time counts only the
-swept kernels (attention: the split kernel and its merge; GDN: the recurrence), not the harness's
-own ops; the wall time holds them too and one launch gap per call.
+pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py and
+chunk.py) were chosen; the default config of each shape is always timed and marked. Inputs and
+floors are benchmarks/kernels.py's (KV pages and state slots rotated past the L2). Busy time counts
+only the swept kernels (attention: the split kernel and its merge; GDN verify: the recurrence;
+prefill: its three kernels), not the harness's own ops; the wall time holds them too and one launch
+gap per call. The prefill is compute bound: its bytes floor is not its limit.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import numpy as np  # noqa: E402
 from benchmarks import common, kernels  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
-KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed")
-# The name each kernel's pallas_call gives its GPU kernels (busy time counts only these).
-KERNEL_NAMES = {"attention": "paged_span_attention", "gdn_verify": "gdn_verify", "gdn_verify_mixed": "gdn_verify_mixed"}
+KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill")
+# The names each kernel's pallas_calls give their GPU kernels (busy time counts only these).
+KERNEL_NAMES = {"attention": ("paged_span_attention",), "gdn_verify": ("gdn_verify",),
+                "gdn_verify_mixed": ("gdn_verify_mixed",),
+                "gdn_prefill": ("gdn_intra_chunk", "gdn_chunk_state_pass", "gdn_chunk_output")}
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
-             stages="2", block_v="16,32", gdn_warps="4", reps=2, repeats=3, traced=1, compile_threads=2,
-             bandwidth_gib=1 / 32)
+             stages="2", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16", prefill_stages="1",
+             f32_dots="ieee", reps=2, repeats=3, traced=1, compile_threads=2, bandwidth_gib=1 / 32)
 
 
 def parse(argv=None):
@@ -49,13 +53,20 @@ def parse(argv=None):
     p.add_argument("--warps", default="4,8", help="attention: warps per program")
     p.add_argument("--stages", default="1,2,3", help="attention: Triton pipeline stages")
     p.add_argument("--block-v", default="16,32,64", help="gdn_verify: V columns per program")
-    p.add_argument("--gdn-warps", default="2,4", help="gdn_verify: warps per program")
+    p.add_argument("--gdn-warps", default="2,4", help="gdn_verify, gdn_prefill: warps per program")
+    p.add_argument("--prefill-lens", default="512", help="gdn_prefill: tokens per request (T)")
+    p.add_argument("--chunks", default="16,64", help="gdn_prefill: tokens per chunk")
+    p.add_argument("--prefill-stages", default="1,2", help="gdn_prefill: Triton pipeline stages")
+    p.add_argument("--f32-dots", default="tf32x3,ieee", help="gdn_prefill: how float32 dots run")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
     p.add_argument("--traced", type=int, default=3, help="calls inside the profile")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
     p.add_argument("--bandwidth-gib", type=float, default=4.0)
     args = common.parse_args(p, argv, SMOKE)
     common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
+    from pallas_kernels.gated_delta.chunk import F32_DOTS
+
+    common.check_choices("--f32-dots", args.f32_dots, F32_DOTS, "dot mode")
     known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS}
     common.check_choices("--layouts", args.layouts, sorted(known), "layout")
     if max(common.int_list(args.ks)) > kernels.KMAX:
@@ -66,7 +77,7 @@ def parse(argv=None):
 def _layouts(kernel: str, args) -> dict:
     gdn = {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}
     table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN}, "gdn_verify": gdn,
-             "gdn_verify_mixed": gdn}[kernel]
+             "gdn_verify_mixed": gdn, "gdn_prefill": gdn}[kernel]
     return {name: table[name] for name in args.layouts.split(",") if name in table}
 
 
@@ -88,6 +99,18 @@ def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple]
     default = (default_block_v(B, layout[1], dv, T), 4)
     fits = (lambda bv: mixed_fits(dk, dv, bv)) if mixed else (lambda bv: dv % bv == 0)
     grid = [(bv, w) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps) if fits(bv)]
+    return sorted(set(grid) | {default}), default
+
+
+def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
+    from pallas_kernels.gated_delta.chunk import F32_DOTS, WIDE_BLOCK_V, default_block_v
+
+    dv = layout[3]
+    block_v = default_block_v(B, layout[1], dv)
+    default = (64, block_v, 4, 2 if block_v <= WIDE_BLOCK_V else 1, F32_DOTS[1])  # gdn_prefill_pallas' defaults
+    dots = args.f32_dots.split(",")
+    grid = itertools.product(common.int_list(args.chunks), [b for b in common.int_list(args.block_v) if dv % b == 0],
+                             common.int_list(args.gdn_warps), common.int_list(args.prefill_stages), dots)
     return sorted(set(grid) | {default}), default
 
 
@@ -129,6 +152,25 @@ def _gdn_fn(config, reps: int, interpret: bool, mixed: bool):
     return jax.jit(run, donate_argnums=0)
 
 
+def _prefill_fn(config, reps: int, interpret: bool):
+    import jax
+
+    from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
+
+    chunk, block_v, warps, stages, dots = config
+
+    def run(pool, per, fixed):
+        outs = []
+        for x in per[:reps]:
+            o, pool = gdn_prefill_pallas(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["read"], x["write"][:, 0],
+                                         fixed["has"], fixed["nv"], chunk_size=chunk, interpret=interpret,
+                                         block_v=block_v, num_warps=warps, num_stages=stages, f32_dots=dots)
+            outs.append(o)
+        return pool, outs
+
+    return jax.jit(run, donate_argnums=0)
+
+
 def _busy_us(call, kernel: str, traced: int, reps: int) -> float | None:
     """GPU busy microseconds per kernel call of the swept kernel's own launches (None off GPU)."""
     import jax
@@ -141,7 +183,7 @@ def _busy_us(call, kernel: str, traced: int, reps: int) -> float | None:
             for _ in range(traced):
                 out = call()
             common.block(out)
-        events = [e for e in _kernel_events(trace_dir) if KERNEL_NAMES[kernel] in e[0]]
+        events = [e for e in _kernel_events(trace_dir) if any(n in e[0] for n in KERNEL_NAMES[kernel])]
     return sum(d for _, _, d in events) / 1e3 / (traced * reps) if events else None
 
 
@@ -156,6 +198,11 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
         state, per, fixed, nbytes, _ = kernels._attn_inputs(rng, layout, B, T, context, args.reps, cache)
         configs, default = _attention_configs(args, layout, B, context)
         make = {c: _attention_fn(c, layout[2] ** -0.5, args.reps, interpret) for c in configs}
+    elif kernel == "gdn_prefill":
+        _, (state, per, fixed), nbytes, _ = kernels._build("prefill", None, layout, B, T, None, "pallas", args, rng,
+                                                           cache)
+        configs, default = _prefill_configs(args, layout, B)
+        make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
     else:
         mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps)
@@ -190,14 +237,16 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 
 def print_tables(res) -> None:
-    fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps"}
+    fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps",
+              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
               ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
               fmt(r["busy_us"], 1), fmt(r["floor_us"], 1), fmt(r["busy_over_floor"])] for r in rows]
     print(f"\nkernel sweep (us per call; * = the default; config: attention {fields['attention']}, gdn_verify(_mixed) "
-          f"{fields['gdn_verify(_mixed)']}; busy = the kernel's own GPU time, none off GPU)")
+          f"{fields['gdn_verify(_mixed)']}, gdn_prefill {fields['gdn_prefill']}; busy = the kernel's own GPU time, "
+          "none off GPU)")
     print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy", "floor",
                                       "busy/floor"]))
 
@@ -215,14 +264,16 @@ def main(argv=None) -> int:
         cache: dict = {}
         for name, layout in _layouts(kernel, args).items():
             contexts = common.int_list(args.contexts) if kernel == "attention" else [None]
-            for B, k, context in itertools.product(common.int_list(args.batches), common.int_list(args.ks), contexts):
+            lens = common.int_list(args.prefill_lens) if kernel == "gdn_prefill" else [1 + k for k in
+                                                                                       common.int_list(args.ks)]
+            for B, T, context in itertools.product(common.int_list(args.batches), lens, contexts):
                 if not budget.allows():
-                    res.skip(f"{kernel} {name} B={B} T={1 + k}", "budget")
+                    res.skip(f"{kernel} {name} B={B} T={T}", "budget")
                     continue
                 try:
-                    run_shape(kernel, name, layout, B, 1 + k, context, args, res, bw["bytes_per_s"], rng, cache)
+                    run_shape(kernel, name, layout, B, T, context, args, res, bw["bytes_per_s"], rng, cache)
                 except Exception as e:
-                    res.error(f"{kernel} {name} B={B} T={1 + k}", e)
+                    res.error(f"{kernel} {name} B={B} T={T}", e)
     res.finish()
     print_tables(res)
     return 0

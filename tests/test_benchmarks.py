@@ -157,7 +157,10 @@ def test_kernel_sweep_smoke(smoke):
     # The grid (pages per step 1, 2 x splits 1, 2) plus the default (4 pages, its own split count).
     assert {(p, s, 4, 2) for p in (1, 2) for s in (1, 2)} < configs["attention"], configs
     assert configs["gdn_verify"] == configs["gdn_verify_mixed"] == {(16, 4), (32, 4)}, configs
-    assert sum(r["default"] for r in rows) == 3  # one default per (kernel, shape)
+    # chunk 16, V-blocks 16 / 32, 4 warps, 1 stage, IEEE dots; plus the default (chunk 64, 2 stages, tf32x3)
+    prefill = {tuple(r["config"]) for r in rows if r["kernel"] == "gdn_prefill"}
+    assert prefill == {(16, 16, 4, 1, "ieee"), (16, 32, 4, 1, "ieee"), (64, 32, 4, 2, "tf32x3")}, prefill
+    assert sum(r["default"] for r in rows) == 4  # one default per (kernel, shape)
     for r in rows:
         assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
