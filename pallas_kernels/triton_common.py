@@ -23,6 +23,11 @@ def pow2_at_least(n: int, floor: int = MIN_DOT) -> int:
     return max(floor, pl.next_power_of_2(n))
 
 
+def device_sm_count() -> int:
+    """Streaming multiprocessors of the default device (132 on an H200; that guess off GPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def triton_compiler_params(num_warps: int, num_stages: int):
     """Triton compiler params: `pallas.triton.CompilerParams` (jax 0.10-0.11), or the older
     `pallas.gpu.TritonCompilerParams`. Their type is what selects the Triton backend."""

@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.attention.reference import MASK_VALUE
 from pallas_kernels.triton_common import (
     MIN_DOT,
+    device_sm_count,
     dot,
     ignore_triton_deprecation,
     is_pow2,
@@ -224,11 +225,6 @@ def default_pages_per_block(page_size: int) -> int:
     return max(1, 64 // page_size)
 
 
-def _sm_count() -> int:
-    """Streaming multiprocessors of the default device (132 on an H200; a guess off GPU)."""
-    return getattr(jax.devices()[0], "core_count", None) or 132
-
-
 # Split the KV until about this many programs per SM are launched, each split holding at least
 # one block; more splits only add partials to merge. Measured on one H200 (jax 0.11.2, Qwen3-4B
 # heads 32 / 8 x 128, bfloat16, T = 1, us per call with the merge, 8 calls per executable,
@@ -243,7 +239,7 @@ def default_num_splits(rows: int, nkv: int, n_slots: int, pages_per_block: int, 
     """Static KV splits for `rows` requests of `n_slots` block-table slots: enough programs
     (rows * nKV * splits) to fill the GPU about twice over, at most one per block of the longest
     row, rounded down to a power of two."""
-    want = pl.cdiv(PROGRAMS_PER_SM * (sm_count or _sm_count()), rows * nkv)
+    want = pl.cdiv(PROGRAMS_PER_SM * (sm_count or device_sm_count()), rows * nkv)
     return _pow2_floor(max(1, min(want, pl.cdiv(n_slots, pages_per_block), MAX_SPLITS)))
 
 

@@ -34,7 +34,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.triton_common import MIN_DOT, ignore_triton_deprecation, is_pow2, triton_compiler_params
+from pallas_kernels.triton_common import (
+    MIN_DOT,
+    device_sm_count,
+    ignore_triton_deprecation,
+    is_pow2,
+    triton_compiler_params,
+)
 
 F32 = jnp.float32
 
@@ -215,12 +221,11 @@ def _output_kernel(
 # benchmarks.md "GDN chunked prefill"): B 8 x T 512 at 16 / 48 value heads 64 columns 760 / 2135 us
 # busy against 1041 / 2865 at 32; B 1 x T 4096, 16 heads: 32 columns 1301 us against 1366 at 64.
 WIDE_BLOCK_V = 64
-SM_COUNT = 132
 
 
-def default_block_v(b: int, hv: int, dv: int) -> int:
+def default_block_v(b: int, hv: int, dv: int, sm_count: int | None = None) -> int:
     """V-block width for b requests of hv value heads with dv columns each."""
-    if dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= SM_COUNT:
+    if dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= (sm_count or device_sm_count()):
         return WIDE_BLOCK_V
     return min(32, dv)
 

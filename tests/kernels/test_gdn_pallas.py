@@ -220,8 +220,9 @@ def test_intra_chunk_solve_matches_a_dense_inverse(n, keys):
 
 
 def test_prefill_default_block_v_widens_a_full_grid():
-    assert C.default_block_v(8, 16, 128) == 64  # 256 programs at 64 columns
-    assert C.default_block_v(1, 16, 128) == 32  # 32 programs at 64 columns would leave SMs idle
+    assert C.default_block_v(8, 16, 128, sm_count=132) == 64  # 256 programs at 64 columns
+    assert C.default_block_v(1, 16, 128, sm_count=132) == 32  # 32 programs at 64 columns leave SMs idle
+    assert C.default_block_v(1, 16, 128, sm_count=16) == 64
     assert C.default_block_v(1, 4, 16) == 16
 
 
