@@ -103,11 +103,11 @@ def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple]
 
 
 def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.gated_delta.chunk import F32_DOTS, WIDE_BLOCK_V, default_block_v
+    from pallas_kernels.gated_delta.chunk import F32_DOTS, default_block_v, default_num_stages
 
     dv = layout[3]
     block_v = default_block_v(B, layout[1], dv)
-    default = (64, block_v, 4, 2 if block_v <= WIDE_BLOCK_V else 1, F32_DOTS[1])  # gdn_prefill_pallas' defaults
+    default = (64, block_v, 4, default_num_stages(block_v), F32_DOTS[1])  # gdn_prefill_pallas' defaults
     dots = args.f32_dots.split(",")
     grid = itertools.product(common.int_list(args.chunks), [b for b in common.int_list(args.block_v) if dv % b == 0],
                              common.int_list(args.gdn_warps), common.int_list(args.prefill_stages), dots)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Kernels (issue 6): each Pallas kernel against its XLA reference, and flash-linear-attention's
 fused_recurrent / chunk gated delta rule and causal conv where `import fla` works, on the
-Qwen3.5-2B, Qwen3.5-27B and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}. On a GPU the verify
-recurrence also runs its Mosaic GPU kernel (impl "mosaic"), so the Triton-vs-Mosaic backend choice
-is measured in the same run.
+Qwen3.5-2B, Qwen3.5-27B and Qwen3-Next head layouts at batch 1, 8, 32 and k in {0, 3, 7, 15}. On a
+GPU the verify recurrence also runs its Mosaic GPU kernel (impl "mosaic"), so the Triton-vs-Mosaic
+backend choice is measured in the same run.
 
 Kernels: gdn_verify (recurrent, T = 1+k, one fp32 state snapshot per token; floor = state read
 once + T snapshots written + q/k/v/o; impl pallas_fused = the kernel the model runs, which takes the

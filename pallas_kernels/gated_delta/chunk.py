@@ -230,6 +230,13 @@ def default_block_v(b: int, hv: int, dv: int, sm_count: int | None = None) -> in
     return min(32, dv)
 
 
+def default_num_stages(block_v: int) -> int:
+    """Triton pipeline stages of the state pass and the output kernel: 2, or 1 past WIDE_BLOCK_V
+    columns, where two stages of the state pass's tiles overflow an H200's 227 KiB of shared memory
+    (246 KB at 128 columns)."""
+    return 2 if block_v <= WIDE_BLOCK_V else 1
+
+
 def _check(q, v, pool, chunk_size: int, block_v: int):
     hk, dk = q.shape[2:]
     hv, dv = v.shape[2:]
@@ -301,15 +308,14 @@ def gdn_prefill_pallas(
     Returns o [B, T, HV, dv] float32 and the pool with pool[write_idx[b]] = the state after the
     last valid token. T need not be a multiple of `chunk_size` (a power of two >= 16). `block_v`
     (power of two >= 16 dividing dv; default `default_block_v`) is the V-block of the state pass
-    and the output kernel; `num_stages` their Triton pipeline depth (default 2, 1 past 64 columns,
-    where two stages of the state pass's tiles overflow an H200's 227 KiB of shared memory).
+    and the output kernel; `num_stages` their Triton pipeline depth (default `default_num_stages`).
     `f32_dots` (F32_DOTS) is how the float32 dots run when compiled; interpreted they are IEEE. With
     duplicate write slots (padding rows write the null slot 0) slot 0 holds any one of them.
     """
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
     block_v = block_v or default_block_v(b, hv, dv)
-    num_stages = num_stages or (2 if block_v <= WIDE_BLOCK_V else 1)
+    num_stages = num_stages or default_num_stages(block_v)
     _check(q, v, pool, chunk_size, block_v)
     if f32_dots not in F32_DOTS:
         raise ValueError(f"{f32_dots=} must be one of {F32_DOTS}")
