@@ -358,6 +358,12 @@ class TestPallasGPU:
         pallas_vs_reference(12, k=3, group=group, n_kv=2, head_dim=head_dim, page_size=16, dtype=dtype,
                             interpret=False, starts=(900, 17))
 
+    @pytest.mark.parametrize("splits", [1, 2])
+    def test_last_loop_step_past_the_table_width(self, splits):
+        """The compiled masked table load: 7 slots, 4 pages per loop step (see the CPU test)."""
+        pallas_vs_reference(11, k=3, group=2, page_size=4, pages_per_block=4, dtype=jnp.float32, interpret=False,
+                            starts=(17, 2), num_splits=splits)
+
 
 @pytest.mark.parametrize("T", [12, 11])
 def test_long_spans_run_in_query_blocks(T):
