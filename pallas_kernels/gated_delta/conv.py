@@ -1,11 +1,13 @@
 """Causal depthwise conv + SiLU on the per-request window lines: Pallas kernel (Triton lowering).
 
 Same semantics as `reference.conv_update` (docs/model_math.md#conv-window-under-speculation). One
-program per (request, channel block of BC channels). With xs = window ++ x, where the window is
-the K-1 rows lines[read_row, off : off+K-1] (off = offset clamped into the line; zeros when not
-has_state), the outputs are y_t = silu(sum_i w[i] xs[t+i]) in float32. The first K-1 tokens read
-the window and are done row by row; the rest read only x and are done in [block_t, BC] tiles
-(shifted masked loads, one per tap). Then the line lines[write_row] is rewritten:
+program per (request, channel block of BC channels, token tile of block_t tokens). With xs =
+window ++ x, where the window is the K-1 rows lines[read_row, off : off+K-1] (off = offset clamped
+into the line; zeros when not has_state), the outputs are y_t = silu(sum_i w[i] xs[t+i]) in
+float32. Tokens t >= K-1 read only x: each program does one [block_t, BC] tile of them (shifted
+masked loads, one per tap), so a long prompt spreads over the grid instead of looping in a few
+programs. The first K-1 tokens read the window; the tile-0 program does them row by row and then
+rewrites the line lines[write_row] (no other program reads the window):
 
     verify:  [xs[1 : K-1+T], rest of the read line]         (= old[off+1 : off+K-1] ++ x)
     prefill: [xs[nv : nv+K-1], rest of the read line]       (the last K-1 valid inputs)
@@ -18,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -44,13 +45,25 @@ def _conv_kernel(
     block_t: int,
     barrier: bool,
 ):
-    n_tok, kw, n_line = x_ref.shape[0], w_ref.shape[0], lines_ref.shape[1]
+    kw = w_ref.shape[0]
+    weights = [w_ref[i].astype(F32) for i in range(kw)]  # [BC] each
+    _conv_tile(x_ref, y_ref, weights, pl.program_id(2), block_t)
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        _window_tokens_and_line(x_ref, lines_ref, read_ref, offset_ref, write_ref, has_ref, valid_ref, y_ref,
+                                lines_out_ref, weights, mode=mode, barrier=barrier)
+
+
+def _window_tokens_and_line(x_ref, lines_ref, read_ref, offset_ref, write_ref, has_ref, valid_ref, y_ref,
+                            lines_out_ref, weights, *, mode: str, barrier: bool):
+    """y for the tokens whose taps reach into the window, then the new window written to its line."""
+    n_tok, kw, n_line = x_ref.shape[0], len(weights), lines_ref.shape[1]
     read = read_ref[0]
     off = jnp.clip(offset_ref[0], 0, n_line - (kw - 1))
     has = has_ref[0] != 0
     # The window in x's dtype, as the reference concatenates window.astype(x.dtype) ++ x.
     window = [jnp.where(has, lines_ref[read, off + m].astype(x_ref.dtype), 0) for m in range(kw - 1)]
-    weights = [w_ref[i].astype(F32) for i in range(kw)]  # [BC] each
 
     def xs_row(m):  # row m of xs = window ++ x, static m
         return window[m] if m < kw - 1 else x_ref[m - (kw - 1)]
@@ -61,10 +74,9 @@ def _conv_kernel(
             row = jnp.where(m == i, window[i], row)
         return row
 
-    for t in range(min(n_tok, kw - 1)):  # tokens whose taps reach into the window
+    for t in range(min(n_tok, kw - 1)):
         acc = sum(xs_row(t + i).astype(F32) * weights[i] for i in range(kw))
         y_ref[t] = jax.nn.silu(acc).astype(y_ref.dtype)
-    _conv_tiles(x_ref, y_ref, weights, block_t)
 
     if mode == "verify":
         head = [xs_row(1 + j) for j in range(kw - 2 + n_tok)]
@@ -80,26 +92,21 @@ def _conv_kernel(
         lines_out_ref[write, j] = row
 
 
-def _conv_tiles(x_ref, y_ref, weights, block_t: int):
-    """y for tokens t >= K-1 in tiles of block_t rows: every tap reads x only (xs[t+i] = x[t+i-K+1]),
-    so tap i of the tile starting at token t0 is the masked load x[t0+i-K+1 : ... + block_t]."""
+def _conv_tile(x_ref, y_ref, weights, blk, block_t: int):
+    """y for tile `blk` of the tokens t >= K-1: every tap reads x only (xs[t+i] = x[t+i-K+1]), so
+    tap i of the tile starting at token t0 is the masked load x[t0+i-K+1 : ... + block_t]."""
     n_tok, kw = x_ref.shape[0], len(weights)
     first = kw - 1
     if n_tok <= first:
         return
-
-    def tile(blk, carry):
-        t0 = first + blk * block_t
-        rows = t0 + jnp.arange(block_t)
-        mask = (rows < n_tok)[:, None]
-        acc = 0
-        for i in range(kw):
-            x = pltriton.load(x_ref.at[pl.ds(t0 + i - first, block_t)], mask=mask, other=0.0)
-            acc = acc + x.astype(F32) * weights[i][None, :]
-        pltriton.store(y_ref.at[pl.ds(t0, block_t)], jax.nn.silu(acc).astype(y_ref.dtype), mask=mask)
-        return carry
-
-    lax.fori_loop(0, pl.cdiv(n_tok - first, block_t), tile, 0)
+    t0 = first + blk * block_t
+    rows = t0 + jnp.arange(block_t)
+    mask = (rows < n_tok)[:, None]
+    acc = 0
+    for i in range(kw):
+        x = pltriton.load(x_ref.at[pl.ds(t0 + i - first, block_t)], mask=mask, other=0.0)
+        acc = acc + x.astype(F32) * weights[i][None, :]
+    pltriton.store(y_ref.at[pl.ds(t0, block_t)], jax.nn.silu(acc).astype(y_ref.dtype), mask=mask)
 
 
 def _channel_block(channels: int, block_c: int) -> int:
@@ -138,15 +145,16 @@ def conv_update_pallas(
     mode: str,
     interpret: bool = False,
     block_c: int = 256,
-    block_t: int = 64,
+    block_t: int = 8,
     num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas conv step; same contract as `reference.conv_update`.
 
     Returns y [B, T, C] in x.dtype and the lines with lines[write_row] rewritten. `block_c` caps the
     channel block (the largest power of two dividing C is used); `block_t` (power of two) caps the
-    token tile. With duplicate write rows (padding rows all write the null line 0) line 0 holds
-    any one of them.
+    token tile, one program each (8-token tiles ran a 512-token Qwen3.5-2B prompt in 16.9 us on an H200,
+    where 64-token tiles looped in one program per channel block took 108.7; docs/benchmarks.md). With duplicate
+    write rows (padding rows all write the null line 0) line 0 holds any one of them.
     """
     _check(x, lines, weight, mode)
     b, n_tok, _ = x.shape
@@ -154,15 +162,16 @@ def conv_update_pallas(
     kw = weight.shape[0]
     bc = _channel_block(channels, block_c)
     bt = min(block_t, pl.next_power_of_2(max(n_tok - (kw - 1), 1)))
-    rows_spec = pl.BlockSpec((None, n_tok, bc), lambda i, j: (i, 0, j))
-    lines_spec = pl.BlockSpec((n_lines, n_line, bc), lambda i, j: (0, 0, j))
-    scalar_spec = pl.BlockSpec((1,), lambda i, j: (i,))
+    n_tiles = pl.cdiv(max(n_tok - (kw - 1), 1), bt)
+    rows_spec = pl.BlockSpec((None, n_tok, bc), lambda i, j, t: (i, 0, j))
+    lines_spec = pl.BlockSpec((n_lines, n_line, bc), lambda i, j, t: (0, 0, j))
+    scalar_spec = pl.BlockSpec((1,), lambda i, j, t: (i,))
     call = pl.pallas_call(
         functools.partial(_conv_kernel, mode=mode, block_t=bt, barrier=not interpret),
-        grid=(b, channels // bc),
+        grid=(b, channels // bc, n_tiles),
         in_specs=[
             rows_spec,  # x
-            pl.BlockSpec((kw, bc), lambda i, j: (0, j)),  # weight
+            pl.BlockSpec((kw, bc), lambda i, j, t: (0, j)),  # weight
             lines_spec,
             *[scalar_spec] * 5,  # read_row, offset, write_row, has_state, num_valid
         ],

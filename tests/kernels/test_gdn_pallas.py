@@ -240,7 +240,7 @@ def test_prefill_refuses_an_unknown_dot_mode():
 # ----------------------------------------------------------------------------------------------
 
 
-def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=64, extra=0):
+def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=None, extra=0):
     """Rows: in-place row with a window offset, a fresh row writing another line (per-slot draft
     windows), a padding row (negative offset), a row whose offset is clamped into the line. `extra`
     channels past the lines' in x (a wider projection) must not be read: they hold NaN."""
@@ -260,7 +260,8 @@ def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256,
         jnp.asarray([True, False, True, True]),  # has_state
         i32(T, max(T - 1, 0), 0, 1),  # num_valid
     )
-    y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, block_t=block_t)
+    tiles = {} if block_t is None else {"block_t": block_t}  # None: the kernel's default
+    y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, **tiles)
     y_ref, lines_ref = conv_ref(*args, mode=mode)
     assert y.dtype == y_ref.dtype == dtype and y.shape == y_ref.shape == (4, T, channels)
     assert_close(y, y_ref, dtype)
