@@ -276,8 +276,8 @@ def _kernels_line(model) -> str:
     from jaxspec.models import packing
 
     line = f"{model.kernels} -> {ops.resolve_kernels(model.kernels)}"
-    if any(packing.is_packed(layer["gdn"]) for layer in model.params["layers"] if "gdn" in layer):
-        line += "; GDN input projections packed into one weight per layer (docs/architecture.md)"
+    if any(packing.is_packed_layer(layer) for layer in model.params["layers"]):
+        line += "; input projections (GDN, MLP gate / up) packed into one weight per layer (docs/architecture.md)"
     return line
 
 

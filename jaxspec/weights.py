@@ -612,9 +612,9 @@ def _export_layer(cfg: ModelConfig, layer: dict, p: str, out: Tensors, fused_exp
         _export_experts(moe, p, out, fused_experts)
         if "shared" in moe:
             spec = _dense_mlp_spec(cfg, p, cfg.shared_expert_intermediate_size, name="mlp.shared_expert")
-            _export_spec(moe["shared"], spec, out)
+            _export_spec(packing.unpack_mlp(moe["shared"]), spec, out)
     else:
-        _export_spec(layer["mlp"], _dense_mlp_spec(cfg, p, cfg.intermediate_size), out)
+        _export_spec(packing.unpack_mlp(layer["mlp"]), _dense_mlp_spec(cfg, p, cfg.intermediate_size), out)
 
 
 def params_to_hf(cfg: ModelConfig, params: dict[str, Any], fused_experts: bool = False) -> Tensors:

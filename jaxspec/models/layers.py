@@ -79,8 +79,13 @@ def narrow_linear(x, w):
 
 
 def mlp(p, x):
-    """SwiGLU: down(silu(x W_gate) * x W_up). x [N, H]."""
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    """SwiGLU: down(silu(x W_gate) * x W_up). x [N, H]. Packed params (jaxspec/models/packing.py)
+    run gate and up as one gemm over gate_up and split its output."""
+    if packing.is_packed_mlp(p):
+        gate, up = packing.split_mlp(x @ p[packing.MLP_PACKED])
+    else:
+        gate, up = x @ p["gate"], x @ p["up"]
+    return (jax.nn.silu(gate) * up) @ p["down"]
 
 
 def moe_path(num_tokens: int, num_experts: int, top_k: int, kernels: str = "xla") -> str:

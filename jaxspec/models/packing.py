@@ -1,4 +1,4 @@
-"""The GDN input projections packed into one weight, for the one-device Pallas path.
+"""Input projections packed into one weight per layer, for the one-device Pallas path.
 
 A GDN layer projects its input four ways: qkv (the conv channels, grouped per key head), z (the
 gated norm's gate), b and a (one column per value head each). Kept apart, XLA on the GPU runs qkv
@@ -8,10 +8,16 @@ a] columns), the layer runs one plain gemm (cuBLAS's matrix-vector kernel at one
 the conv and recurrence kernels read their channels of its output in place (docs/benchmarks.md,
 "Packed GDN projection").
 
+The SwiGLU MLP (a dense layer's, and a MoE layer's shared expert) projects its input twice, gate
+and up. Kept apart, XLA merges the two dots into one whose weight is the concatenation [gate | up],
+and from a few hundred rows on (a prefill chunk) it copies both weights into that concatenation on
+every call: 100 MB per Qwen3.5-2B layer, 25 us on an H200 at 512 rows. Packed at load into
+`gate_up` [H, 2 I], the MLP runs one gemm and splits its output (docs/benchmarks.md, "Packed MLP").
+
 `Model` packs its params when its kernels resolve to Pallas on one device (`packs`). Everything
 that writes weights out (`jaxspec.save`, the HF export) unpacks first, so saved files keep the
 canonical layout and load under any kernels or mesh; a sharded model is never packed (its qkv, z,
-b, a columns are sharded per head, each on its own).
+b, a columns are sharded per head, gate and up per column block, each on its own).
 """
 
 import jax.numpy as jnp
@@ -21,6 +27,8 @@ from jaxspec.config import ModelConfig
 
 PARTS = ("qkv", "z", "b", "a")
 PACKED = "in_proj"
+MLP_PARTS = ("gate", "up")
+MLP_PACKED = "gate_up"
 
 
 def widths(cfg: ModelConfig) -> tuple[int, ...]:
@@ -53,38 +61,84 @@ def is_packed(gdn: dict) -> bool:
     return PACKED in gdn
 
 
+def _packed(params: dict, parts: tuple[str, ...], name: str) -> dict:
+    """params with the weights `parts` replaced by their column concatenation `name` (as is when packed)."""
+    if name in params:
+        return params
+    out = {key: value for key, value in params.items() if key not in parts}
+    out[name] = jnp.concatenate([params[part] for part in parts], axis=1)
+    return out
+
+
+def _unpacked(params: dict, name: str, parts: dict) -> dict:
+    """params with the packed weight `name` replaced by `parts` ({part: its columns})."""
+    return {**{key: value for key, value in params.items() if key != name}, **parts}
+
+
 def pack_gdn(gdn: dict) -> dict:
     """One GDN layer's params with qkv, z, b, a replaced by in_proj (a packed layer is returned as is)."""
-    if is_packed(gdn):
-        return gdn
-    out = {key: value for key, value in gdn.items() if key not in PARTS}
-    out[PACKED] = jnp.concatenate([gdn[name] for name in PARTS], axis=1)
-    return out
+    return _packed(gdn, PARTS, PACKED)
 
 
 def unpack_gdn(gdn: dict, cfg: ModelConfig) -> dict:
     """One GDN layer's params in the canonical layout (qkv, z, b, a), from either layout."""
-    if not is_packed(gdn):
-        return gdn
-    return {**{key: value for key, value in gdn.items() if key != PACKED}, **split(gdn[PACKED], cfg)}
+    return _unpacked(gdn, PACKED, split(gdn[PACKED], cfg)) if is_packed(gdn) else gdn
+
+
+def is_packed_mlp(mlp: dict) -> bool:
+    return MLP_PACKED in mlp
+
+
+def pack_mlp(mlp: dict) -> dict:
+    """A SwiGLU MLP's params with gate and up [H, I] replaced by gate_up [H, 2 I] (packed: as is)."""
+    return _packed(mlp, MLP_PARTS, MLP_PACKED)
+
+
+def unpack_mlp(mlp: dict) -> dict:
+    """A SwiGLU MLP's params in the canonical layout (gate, up), from either layout."""
+    if not is_packed_mlp(mlp):
+        return mlp
+    return _unpacked(mlp, MLP_PACKED, dict(zip(MLP_PARTS, split_mlp(mlp[MLP_PACKED]), strict=True)))
+
+
+def split_mlp(h):
+    """(gate, up) projections from the packed MLP gemm's output h [..., 2 I]."""
+    inter = h.shape[-1] // 2
+    return h[..., :inter], h[..., inter:]
+
+
+def _map_layer(layer: dict, gdn_fn, mlp_fn) -> dict:
+    """The layer with gdn_fn applied to its GDN params and mlp_fn to its dense MLP or shared expert."""
+    out = dict(layer)
+    if "gdn" in out:
+        out["gdn"] = gdn_fn(out["gdn"])
+    if "mlp" in out:
+        out["mlp"] = mlp_fn(out["mlp"])
+    if "shared" in out.get("moe", {}):
+        out["moe"] = dict(out["moe"], shared=mlp_fn(out["moe"]["shared"]))
+    return out
 
 
 def pack(params: dict) -> dict:
-    """Packs every GDN layer of `params` in place (and returns it): layer by layer, each layer's
+    """Packs every layer of `params` in place (and returns it): layer by layer, each layer's
     unpacked weights are dropped before the next is packed, so packing costs one layer's weight in
     memory, not the whole model's. A model sharing this params tree (dataclasses.replace) sees the
     packed layout, which every path reads."""
-    for layer in params["layers"]:
-        if "gdn" in layer:
-            layer["gdn"] = pack_gdn(layer["gdn"])
+    for i, layer in enumerate(params["layers"]):
+        params["layers"][i] = _map_layer(layer, pack_gdn, pack_mlp)
     return params
 
 
 def unpack(params: dict, cfg: ModelConfig) -> dict:
-    """A params tree with every GDN layer in the canonical layout (new slices of packed weights)."""
-    layers = [dict(layer, gdn=unpack_gdn(layer["gdn"], cfg)) if "gdn" in layer else layer
-              for layer in params["layers"]]
+    """A params tree with every layer in the canonical layout (new slices of packed weights)."""
+    layers = [_map_layer(layer, lambda gdn: unpack_gdn(gdn, cfg), unpack_mlp) for layer in params["layers"]]
     return dict(params, layers=layers)
+
+
+def is_packed_layer(layer: dict) -> bool:
+    """Whether any of the layer's projections are packed."""
+    mlps = (layer.get("mlp"), layer.get("moe", {}).get("shared"))
+    return ("gdn" in layer and is_packed(layer["gdn"])) or any(m is not None and is_packed_mlp(m) for m in mlps)
 
 
 def project(p: dict, cfg: ModelConfig, x):

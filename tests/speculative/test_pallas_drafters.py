@@ -7,6 +7,7 @@ The MTP drafter's Pallas check is in test_mtp.py; ngram and replay drafts do not
 from __future__ import annotations
 
 import jaxspec
+from jaxspec.models import packing
 from tests.speculative.conftest import CHUNK, DRAFT_NOISE, MAX_LEN, NEW_TOKENS, PAGE, perturb
 
 
@@ -18,7 +19,9 @@ def test_draft_model_acceptance_under_pallas_equals_xla(family):
     target = jaxspec.load(fam.path, **settings)
     target.request_buckets = fam.batch.request_buckets
     draft = jaxspec.load(fam.path, **{**settings, "max_num_seqs": 1, "max_num_speculative_tokens": 0})
-    draft.params = perturb(target.params, DRAFT_NOISE["qwen3"])
+    # The same noise as the XLA draft's: drawn leaf by leaf over the canonical layout, then packed as
+    # a Pallas model packs its params (jaxspec/models/packing.py).
+    draft.params = packing.pack(perturb(packing.unpack(target.params, target.config), DRAFT_NOISE["qwen3"]))
     pallas = jaxspec.generate(target, prompts, max_new_tokens=NEW_TOKENS,
                               speculative=jaxspec.SpeculativeConfig("draft_model", k, draft_model=draft))
     xla = jaxspec.generate(fam.batch, prompts, max_new_tokens=NEW_TOKENS,
