@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Kernel launch-parameter sweep: the paged span attention (pages per loop step x KV splits x warps x
 pipeline stages), the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
-"gdn_verify_mixed" the one the model runs, with the layer's glue inside) and the GDN chunked prefill
-(chunk x V-block x warps x stages x float32 dot mode), each config timed as pipelined wall per call
-and profiled for the GPU busy time of its own kernels, beside its bytes floor.
+"gdn_verify_mixed" the one the model runs, with the layer's glue inside), the GDN chunked prefill
+(chunk x V-block x warps x stages x float32 dot mode) and the prefill's causal conv (token tile x
+channel block x warps), each config timed as pipelined wall per call and profiled for the GPU busy
+time of its own kernels, beside its bytes floor.
 
 This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
 pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py and
-chunk.py) were chosen; the default config of each shape is always timed and marked. Inputs and
-floors are benchmarks/kernels.py's (KV pages and state slots rotated past the L2). Busy time counts
-only the swept kernels (attention: the split kernel and its merge; GDN verify: the recurrence;
-prefill: its three kernels), not the harness's own ops; the wall time holds them too and one launch
-gap per call. The prefill is compute bound: its bytes floor is not its limit.
+chunk.py, the conv's block_t / block_c in conv.py) were chosen; the default config of each shape is
+always timed and marked. Inputs and floors are benchmarks/kernels.py's (KV pages and state slots
+rotated past the L2). Busy time counts only the swept kernels (attention: the split kernel and its
+merge; GDN verify: the recurrence; prefill: its three kernels; conv: the prefill conv), not the
+harness's own ops; the wall time holds them too and one launch gap per call. The prefill is compute
+bound: its bytes floor is not its limit.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ import numpy as np  # noqa: E402
 from benchmarks import common, kernels  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
-KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill")
+KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill", "conv_prefill")
 # The names each kernel's pallas_calls give their GPU kernels (busy time counts only these).
 KERNEL_NAMES = {"attention": ("paged_span_attention",), "gdn_verify": ("gdn_verify",),
                 "gdn_verify_mixed": ("gdn_verify_mixed",),
-                "gdn_prefill": ("gdn_intra_chunk", "gdn_chunk_state_pass", "gdn_chunk_output")}
+                "gdn_prefill": ("gdn_intra_chunk", "gdn_chunk_state_pass", "gdn_chunk_output"),
+                "conv_prefill": ("conv_update_prefill",)}
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
              stages="2", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16", prefill_stages="1",
-             f32_dots="ieee", reps=2, repeats=3, traced=1, compile_threads=2, bandwidth_gib=1 / 32)
+             f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", reps=2, repeats=3, traced=1,
+             compile_threads=2, bandwidth_gib=1 / 32)
 
 
 def parse(argv=None):
@@ -58,6 +62,9 @@ def parse(argv=None):
     p.add_argument("--chunks", default="16,64", help="gdn_prefill: tokens per chunk")
     p.add_argument("--prefill-stages", default="1,2", help="gdn_prefill: Triton pipeline stages")
     p.add_argument("--f32-dots", default="tf32x3,ieee", help="gdn_prefill: how float32 dots run")
+    p.add_argument("--conv-block-t", default="8,16,32", help="conv_prefill: tokens per program")
+    p.add_argument("--conv-block-c", default="128,256", help="conv_prefill: channels per program (at most)")
+    p.add_argument("--conv-warps", default="4", help="conv_prefill: warps per program")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
     p.add_argument("--traced", type=int, default=3, help="calls inside the profile")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
@@ -77,7 +84,7 @@ def parse(argv=None):
 def _layouts(kernel: str, args) -> dict:
     gdn = {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}
     table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN}, "gdn_verify": gdn,
-             "gdn_verify_mixed": gdn, "gdn_prefill": gdn}[kernel]
+             "gdn_verify_mixed": gdn, "gdn_prefill": gdn, "conv_prefill": gdn}[kernel]
     return {name: table[name] for name in args.layouts.split(",") if name in table}
 
 
@@ -111,6 +118,13 @@ def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
     dots = args.f32_dots.split(",")
     grid = itertools.product(common.int_list(args.chunks), [b for b in common.int_list(args.block_v) if dv % b == 0],
                              common.int_list(args.gdn_warps), common.int_list(args.prefill_stages), dots)
+    return sorted(set(grid) | {default}), default
+
+
+def _conv_configs(args) -> tuple[list[tuple], tuple]:
+    default = (8, 256, 4)  # conv_update_pallas' defaults
+    axes = (args.conv_block_t, args.conv_block_c, args.conv_warps)
+    grid = itertools.product(*(common.int_list(x) for x in axes))
     return sorted(set(grid) | {default}), default
 
 
@@ -171,6 +185,25 @@ def _prefill_fn(config, reps: int, interpret: bool):
     return jax.jit(run, donate_argnums=0)
 
 
+def _conv_fn(config, reps: int, interpret: bool):
+    import jax
+
+    from pallas_kernels.gated_delta.conv import conv_update_pallas
+
+    block_t, block_c, warps = config
+
+    def run(lines, per, fixed):
+        outs = []
+        for x in per[:reps]:
+            y, lines = conv_update_pallas(x["x"], lines, fixed["w"], x["rows"], x["offset"], x["rows"], fixed["has"],
+                                          fixed["nv"], mode="prefill", interpret=interpret, block_c=block_c,
+                                          block_t=block_t, num_warps=warps)
+            outs.append(y)
+        return lines, outs
+
+    return jax.jit(run, donate_argnums=0)
+
+
 def _busy_us(call, kernel: str, traced: int, reps: int) -> float | None:
     """GPU busy microseconds per kernel call of the swept kernel's own launches (None off GPU)."""
     import jax
@@ -203,6 +236,12 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
                                                            cache)
         configs, default = _prefill_configs(args, layout, B)
         make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
+    elif kernel == "conv_prefill":
+        state, per, fixed, _, _ = kernels._conv_inputs(rng, layout, B, T, 0, args.reps)
+        C = per[0]["x"].shape[-1]
+        nbytes = {"floor": B * (2 * T + 2 * (kernels.CONV_K - 1)) * C * 2}  # x, y, the window read and written
+        configs, default = _conv_configs(args)
+        make = {c: _conv_fn(c, args.reps, interpret) for c in configs}
     else:
         mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps)
@@ -238,14 +277,14 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 def print_tables(res) -> None:
     fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps",
-              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots"}
+              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
               ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
               fmt(r["busy_us"], 1), fmt(r["floor_us"], 1), fmt(r["busy_over_floor"])] for r in rows]
-    print(f"\nkernel sweep (us per call; * = the default; config: attention {fields['attention']}, gdn_verify(_mixed) "
-          f"{fields['gdn_verify(_mixed)']}, gdn_prefill {fields['gdn_prefill']}; busy = the kernel's own GPU time, "
+    configs = ", ".join(f"{kernel} {names}" for kernel, names in fields.items())
+    print(f"\nkernel sweep (us per call; * = the default; config: {configs}; busy = the kernel's own GPU time, "
           "none off GPU)")
     print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy", "floor",
                                       "busy/floor"]))
@@ -264,8 +303,8 @@ def main(argv=None) -> int:
         cache: dict = {}
         for name, layout in _layouts(kernel, args).items():
             contexts = common.int_list(args.contexts) if kernel == "attention" else [None]
-            lens = common.int_list(args.prefill_lens) if kernel == "gdn_prefill" else [1 + k for k in
-                                                                                       common.int_list(args.ks)]
+            prefill = kernel in ("gdn_prefill", "conv_prefill")
+            lens = common.int_list(args.prefill_lens) if prefill else [1 + k for k in common.int_list(args.ks)]
             for B, T, context in itertools.product(common.int_list(args.batches), lens, contexts):
                 if not budget.allows():
                     res.skip(f"{kernel} {name} B={B} T={T}", "budget")

@@ -160,7 +160,10 @@ def test_kernel_sweep_smoke(smoke):
     # chunk 16, V-blocks 16 / 32, 4 warps, 1 stage, IEEE dots; plus the default (chunk 64, 2 stages, tf32x3)
     prefill = {tuple(r["config"]) for r in rows if r["kernel"] == "gdn_prefill"}
     assert prefill == {(16, 16, 4, 1, "ieee"), (16, 32, 4, 1, "ieee"), (64, 32, 4, 2, "tf32x3")}, prefill
-    assert sum(r["default"] for r in rows) == 4  # one default per (kernel, shape)
+    # token tiles 4 / 8 x 64 channels, 4 warps; plus the default (8 tokens, 256 channels)
+    conv = {tuple(r["config"]) for r in rows if r["kernel"] == "conv_prefill"}
+    assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
+    assert sum(r["default"] for r in rows) == 5  # one default per (kernel, shape)
     for r in rows:
         assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
