@@ -10,9 +10,10 @@ the conv and recurrence kernels read their channels of its output in place (docs
 
 The SwiGLU MLP (a dense layer's, and a MoE layer's shared expert) projects its input twice, gate
 and up. Kept apart, XLA merges the two dots into one whose weight is the concatenation [gate | up],
-and from a few hundred rows on (a prefill chunk) it copies both weights into that concatenation on
-every call: 100 MB per Qwen3.5-2B layer, 25 us on an H200 at 512 rows. Packed at load into
-`gate_up` [H, 2 I], the MLP runs one gemm and splits its output (docs/benchmarks.md, "Packed MLP").
+and at a prefill chunk's rows (measured at 512) it copies both weights into that concatenation on
+every call: 100 MB per Qwen3.5-2B layer, 25 us on an H200. Packed at load into `gate_up` [H, 2 I],
+the MLP runs one gemm and splits its output (docs/benchmarks.md, "Prefill: conv on the grid, packed
+MLP").
 
 `Model` packs its params when its kernels resolve to Pallas on one device (`packs`). Everything
 that writes weights out (`jaxspec.save`, the HF export) unpacks first, so saved files keep the
@@ -53,7 +54,7 @@ def split(y, cfg: ModelConfig) -> dict:
 
 
 def packs(cfg: ModelConfig, kernels: str) -> bool:
-    """Whether a model with this config and kernels choice runs packed GDN projections."""
+    """Whether a model with this config and kernels choice runs packed input projections."""
     return cfg.mesh is None and ops.resolve_kernels(kernels) == "pallas"
 
 
