@@ -1,0 +1,229 @@
+"""Fused projections (pallas_kernels/linear): the Pallas kernel and the XLA reference against a float64
+oracle, for every combination of the RMSNorm before (none, Qwen3's, the hybrids' zero-centred), the
+SwiGLU and the residual after, rows 1 .. 64, K and N that are not powers of two. Interpret mode on
+CPU; the GPU class (`python -m pytest tests/kernels -k GPU`) runs the published projection shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear import api
+from pallas_kernels.linear.kernel import MAX_ROWS, STAGE_BYTES, block_sizes, fused_linear_pallas
+
+ON_GPU = jax.default_backend() == "gpu"
+# As tests/kernels/test_moe_kernel.py: float32 within Triton's float32 dots' error over K products,
+# bfloat16 within the roundings of x * g, the projections and the epilogue.
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+EPS = 1e-6
+
+
+def oracle(x, w, g, residual, *, zero_centered: bool, glu: bool, gate=None) -> np.ndarray:
+    """float64: the contract of pallas_kernels/linear/reference.py without its roundings."""
+    if gate is not None:  # groups of len(g) channels, each normed on its own and gated
+        groups = x.reshape(len(x), -1, len(g))
+        y = groups / np.sqrt(np.mean(groups * groups, axis=2, keepdims=True) + EPS) * g
+        x = y.reshape(x.shape) * gate / (1 + np.exp(-gate))
+    elif g is not None:
+        x = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + EPS) * ((1.0 + g) if zero_centered else g)
+    y = x @ w
+    if glu:
+        gate, up = y[:, : y.shape[1] // 2], y[:, y.shape[1] // 2 :]
+        y = gate / (1 + np.exp(-gate)) * up
+    return y if residual is None else residual + y
+
+
+def case(seed, rows, k_dim, n_dim, *, norm: str | None, glu: bool, residual: bool, dtype, scale=3.0):
+    """Inputs as dtype and their float64 values (the oracle sees the rounded inputs)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k_dim)) * scale
+    w = rng.standard_normal((k_dim, n_dim)) / k_dim**0.5
+    g = None if norm is None else rng.standard_normal(k_dim) * 0.3 + (norm == "scale")
+    r = rng.standard_normal((rows, n_dim // 2 if glu else n_dim)) if residual else None
+    args = [None if a is None else jnp.asarray(a, dtype) for a in (x, w, g, r)]
+    as64 = [None if a is None else np.asarray(a.astype(jnp.float32), np.float64) for a in args]
+    return args, as64
+
+
+def rel_rms(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+def check(seed, rows, k_dim, n_dim, *, norm, glu, residual, dtype, implementation="pallas", interpret=None):
+    args, as64 = case(seed, rows, k_dim, n_dim, norm=norm, glu=glu, residual=residual, dtype=dtype)
+    zc = norm == "zero_centered"
+    got = api.fused_linear(*args, eps=EPS, zero_centered=zc, glu=glu, implementation=implementation,
+                           interpret=interpret)
+    want = oracle(*as64, zero_centered=zc, glu=glu)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert rel_rms(got, want) < RTOL[dtype], rel_rms(got, want)
+
+
+# (rows, K, N): a decode step's two rows, a verify step's 8, the kernel's 64 rows (one 64-row block),
+# K and N tails masked (K 72 = one 64-slab + 8; N 40 = two column blocks of 16 + 8).
+SHAPES = {"decode": (2, 64, 96), "verify": (8, 128, 64), "most_rows": (64, 64, 32), "odd_dims": (5, 72, 40)}
+EPILOGUES = {"norm": dict(norm="scale", glu=False, residual=False),
+             "zero_centered_glu": dict(norm="zero_centered", glu=True, residual=False),
+             "norm_glu": dict(norm="scale", glu=True, residual=False),
+             "residual": dict(norm=None, glu=False, residual=True),
+             "all": dict(norm="zero_centered", glu=True, residual=True)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pallas_equals_the_oracle(shape, epilogue, dtype):
+    check(1, *SHAPES[shape], dtype=dtype, **EPILOGUES[epilogue])
+
+
+@pytest.mark.parametrize("epilogue", ["zero_centered_glu", "all"])
+def test_reference_equals_the_oracle(epilogue):
+    check(2, *SHAPES["verify"], dtype=jnp.float32, implementation="xla", **EPILOGUES[epilogue])
+
+
+def test_more_rows_than_the_kernel_takes_run_the_reference():
+    args, as64 = case(3, MAX_ROWS + 1, 32, 16, norm="scale", glu=False, residual=True, dtype=jnp.float32)
+    got = api.fused_linear(*args, eps=EPS, implementation="pallas")
+    want = api.fused_linear(*args, eps=EPS, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
+        fused_linear_pallas(*args, eps=EPS, interpret=True)
+
+
+def test_swept_blocks_agree_with_the_default():
+    """The tail-masked and unmasked loads, one K slab and many: every block choice gives the oracle."""
+    args, as64 = case(4, 8, 96, 64, norm="zero_centered", glu=True, residual=False, dtype=jnp.float32)
+    want = oracle(*as64, zero_centered=True, glu=True)
+    for blocks in ((16, 16), (32, 16), (128, 32), (64, 32)):
+        got = fused_linear_pallas(*args, eps=EPS, zero_centered=True, glu=True, interpret=True, blocks=blocks)
+        assert rel_rms(got, want) < RTOL[jnp.float32], blocks
+
+
+def test_block_sizes_give_one_program_per_sm():
+    """The widest column block with at least one program per SM, stage slabs of STAGE_BYTES (132 SMs
+    off the GPU, as an H200)."""
+    from pallas_kernels.triton_common import device_sm_count
+
+    sms = device_sm_count()
+    for rows, k_dim, n_out, itemsize, glu in ((2, 2048, 8224, 2, False), (2, 2048, 6144, 2, True),
+                                            (8, 6144, 2048, 2, False), (64, 9728, 2560, 4, False)):
+        m, k, n = block_sizes(rows, k_dim, n_out, itemsize, glu)
+        assert m == max(16, rows) and n in (16, 32, 64)
+        assert -(-n_out // n) >= sms or n == 16, (n_out, n)
+        assert n == 64 or -(-n_out // (2 * n)) < sms, (n_out, n)  # the next wider block has too few programs
+        assert k * n * itemsize * (1 + glu) == STAGE_BYTES
+    assert block_sizes(64, 24, 40, 4) == (64, 32, 16)  # K under a slab: one slab of K rounded up
+
+
+def test_bad_arguments_are_refused_naming_them():
+    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 6))
+    with pytest.raises(ValueError, match=r"x \(4, 8\), w \(6, 8\)"):
+        api.fused_linear(x, w.T, implementation="pallas")
+    with pytest.raises(ValueError, match=r"even column count; got w \(8, 5\)"):
+        api.fused_linear(x, jnp.zeros((8, 5)), glu=True)
+    with pytest.raises(ValueError, match=r"norm must be \[K\] = \[8\]"):
+        api.fused_linear(x, w, jnp.zeros((6,)))
+    with pytest.raises(ValueError, match=r"residual must be the result's shape \(4, 3\)"):
+        api.fused_linear(x, w, residual=jnp.zeros((4, 6)), glu=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        api.fused_linear(x, w.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        api.fused_linear(x, w, implementation="triton")
+    # a refused call leaves nothing behind: the next one runs
+    assert api.fused_linear(x, w, implementation="pallas").shape == (4, 6)
+
+
+def gated_case(seed, rows, k_dim, n_dim, group, *, dtype, gate_at=0, width=None):
+    """x [rows, K], w, the group norm's weight [group], the gate's K columns from gate_at of a [rows, width]
+    buffer, residual; as dtype and float64."""
+    rng = np.random.default_rng(seed)
+    width = width or k_dim
+    arrays = (rng.standard_normal((rows, k_dim)) * 3, rng.standard_normal((k_dim, n_dim)) / k_dim**0.5,
+              rng.standard_normal(group) * 0.3 + 1, rng.standard_normal((rows, width)) * 2,
+              rng.standard_normal((rows, n_dim)))
+    args = [jnp.asarray(a, dtype) for a in arrays]
+    return args, [np.asarray(a.astype(jnp.float32), np.float64) for a in args]
+
+
+def check_gated(seed, rows, k_dim, n_dim, group, *, dtype, gate_at=0, width=None, interpret=None,
+                implementation="pallas"):
+    (x, w, g, z, r), (x64, w64, g64, z64, r64) = gated_case(seed, rows, k_dim, n_dim, group, dtype=dtype,
+                                                            gate_at=gate_at, width=width)
+    got = api.fused_linear(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, implementation=implementation,
+                           interpret=interpret)
+    want = oracle(x64, w64, g64, r64, zero_centered=False, glu=False, gate=z64[:, gate_at:gate_at + k_dim])
+    assert got.shape == want.shape and got.dtype == dtype
+    assert rel_rms(got, want) < RTOL[dtype], rel_rms(got, want)
+
+
+# (rows, K, N, group, gate_at, gate buffer width): the GDN's z read in place from the packed projection's
+# output at an offset; groups of 16 and 32; N tail masked.
+GATED = {"in_place": (2, 64, 48, 16, 40, 160), "own_buffer": (8, 96, 64, 32, 0, None),
+         "most_rows": (64, 64, 40, 16, 8, 72)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("name", GATED)
+def test_gated_norm_before_the_projection(name, implementation, dtype):
+    rows, k_dim, n_dim, group, gate_at, width = GATED[name]
+    check_gated(7, rows, k_dim, n_dim, group, dtype=dtype, gate_at=gate_at, width=width,
+                implementation=implementation)
+
+
+def test_gated_norm_groups_the_kernel_cannot_tile_run_the_reference():
+    """A group of 24 channels (not a power of two) runs the reference; the kernel refuses it by name."""
+    (x, w, g, z, r), _ = gated_case(8, 4, 48, 32, 24, dtype=jnp.float32)
+    got = api.fused_linear(x, w, g, r, gate=z, eps=EPS, implementation="pallas")
+    want = api.fused_linear(x, w, g, r, gate=z, eps=EPS, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="power of two >= 16; got 24"):
+        fused_linear_pallas(x, w, g, r, gate=z, eps=EPS, interpret=True)
+
+
+def test_gated_norm_must_fit_its_gate():
+    (x, w, g, z, r), _ = gated_case(9, 4, 64, 32, 16, dtype=jnp.float32, width=80)
+    with pytest.raises(ValueError, match=r"K = 64 columns from gate_at = 20"):
+        api.fused_linear(x, w, g, r, gate=z, gate_at=20, implementation="pallas")
+    with pytest.raises(ValueError, match=r"norm \[G\] with G dividing K"):
+        api.fused_linear(x, w, g[:10], r, gate=z, implementation="pallas")
+    assert api.fused_linear(x, w, g, r, gate=z, gate_at=16, implementation="pallas").shape == (4, 32)
+
+
+# Published projections (K, N, epilogue): Qwen3.5-2B's packed GDN input (norm), MLP (norm + SwiGLU, then
+# down + residual) and out projection; Qwen3-4B's o projection and MLP.
+PUBLISHED = {"2b_gdn_in": (2048, 8224, "norm"), "2b_gate_up": (2048, 12288, "zero_centered_glu"),
+             "2b_down": (6144, 2048, "residual"), "4b_o": (4096, 2560, "residual"),
+             "4b_gate_up": (2560, 19456, "norm_glu"), "4b_down": (9728, 2560, "residual")}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiles the Triton kernel)")
+class TestPallasGPU:
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("epilogue", EPILOGUES)
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_small(self, shape, epilogue, dtype):
+        check(5, *SHAPES[shape], dtype=dtype, interpret=False, **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("rows", [2, 8, 64])
+    @pytest.mark.parametrize("name", PUBLISHED)
+    def test_published_projections(self, name, rows, dtype):
+        k_dim, n_dim, epilogue = PUBLISHED[name]
+        check(6, rows, k_dim, n_dim, dtype=dtype, interpret=False, **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("name", GATED)
+    def test_gated_small(self, name, dtype):
+        rows, k_dim, n_dim, group, gate_at, width = GATED[name]
+        check_gated(10, rows, k_dim, n_dim, group, dtype=dtype, gate_at=gate_at, width=width, interpret=False)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("rows", [2, 8, 64])
+    @pytest.mark.parametrize("layout", [(2048, 2048, 8224, 6144), (6144, 5120, 16480, 10240)])
+    def test_published_gated_out_projections(self, layout, rows, dtype):
+        """Qwen3.5-2B / 27B GDN out projections (K, N), z read at its offset in the packed projection's
+        output (width, z offset); groups of 128."""
+        k_dim, n_dim, width, z_at = layout
+        check_gated(11, rows, k_dim, n_dim, 128, dtype=dtype, gate_at=z_at, width=width, interpret=False)
