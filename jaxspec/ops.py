@@ -12,6 +12,8 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.attention import reference as attention_ref
 from pallas_kernels.gated_delta import api as gdn_api
 from pallas_kernels.gated_delta import reference as gdn_ref
+from pallas_kernels.linear import api as linear_api
+from pallas_kernels.linear import reference as linear_ref
 from pallas_kernels.moe import api as moe_api
 
 KERNEL_CHOICES = ("auto", "xla", "pallas")
@@ -34,6 +36,7 @@ l2norm = gdn_ref.l2norm
 gdn_inputs = gdn_ref.gdn_inputs
 rms_norm = attention_ref.rms_norm
 rope = attention_ref.rope
+rms_norm_gated = linear_ref.rms_norm_gated
 
 
 def write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid):
@@ -83,6 +86,17 @@ def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_va
     to lines[write_row]."""
     return gdn_api.conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_valid, mode=mode,
                                implementation=kernels, interpret=_interpret())
+
+
+def fused_linear(x, w, norm=None, residual=None, *, gate=None, gate_at: int = 0, eps: float, zero_centered: bool,
+                 glu: bool, kernels: str):
+    """x [M, K] @ w [K, N] with the RMSNorm (weight `norm`; with `gate`, the GDN's gated norm per group of
+    len(norm) channels, gated by gate [M, *]'s K columns from gate_at) before, and the SwiGLU of a packed
+    [gate | up] w (`glu`) or `residual` added after; one launch with kernels="pallas" at a decode or
+    verify step's rows."""
+    return linear_api.fused_linear(x, w, norm, residual, gate=gate, gate_at=gate_at, eps=eps,
+                                   zero_centered=zero_centered, glu=glu, implementation=kernels,
+                                   interpret=_interpret())
 
 
 def grouped_glu(x, w_gate, w_up, group_sizes, *, kernels: str):

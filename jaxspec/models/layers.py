@@ -44,20 +44,31 @@ def weight_precision(fn):
 
 rms_norm = ops.rms_norm
 rope = ops.rope
-
-
-def rms_norm_gated(x, z, w, eps: float):
-    """GDN output norm (not zero-centred): x, z [..., dv], w [dv] -> w * norm(x) * silu(z)."""
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    y = w * y.astype(w.dtype)
-    return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(w.dtype)
+rms_norm_gated = ops.rms_norm_gated  # the GDN output norm: x, z [..., dv], w [dv] -> w * norm(x) * silu(z)
 
 
 def linear(x, w, b=None):
     """x [..., in] @ w [in, out] (+ b [out])."""
     y = x @ w
     return y if b is None else y + b
+
+
+def fused_projection(x, w, cfg: ModelConfig, kernels: str, *, norm=None, gate=None, gate_at: int = 0,
+                     residual=None, glu: bool = False):
+    """x [..., K] @ w [K, N] with x's RMSNorm first (`norm`, the norm's weight; with `gate` [..., *], the
+    GDN's gated norm over groups of len(norm) channels, gated by gate's K columns from gate_at) and
+    after it the SwiGLU
+    of a packed [gate | up] w (`glu`) or `residual` [..., N] added, through `ops.fused_linear`: on the
+    one-device Pallas path at a decode or verify step's rows, one kernel where XLA runs the norm, the
+    gemm and the epilogue as three (docs/architecture.md, "Fused projections"). Under a mesh, the XLA
+    ops (GSPMD partitions them)."""
+    rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+    maybe_rows = lambda a: None if a is None else rows(a)  # noqa: E731
+    y = ops.fused_linear(rows(x), w, norm, maybe_rows(residual), gate=maybe_rows(gate), gate_at=gate_at,
+                         eps=cfg.rms_norm_eps,
+                         zero_centered=cfg.zero_centered_norm, glu=glu,
+                         kernels=kernels if cfg.mesh is None else "xla")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # A projection to a handful of columns (the GDN's b and a, one per value head) over at most this many
@@ -202,6 +213,26 @@ def feed_forward(layer, cfg: ModelConfig, x, live_columns: int | None = None, ke
     return out if live == T else jnp.pad(out, ((0, 0), (0, T - live), (0, 0)))
 
 
+def residual_feed_forward(layer, cfg: ModelConfig, x, norm, live_columns: int | None = None, kernels: str = "xla"):
+    """x + feed_forward(rms_norm(x, norm)): the MLP sublayer with its pre-norm and residual, x [R, T, H].
+    A packed dense MLP runs as two fused projections, norm + gate / up + SwiGLU, then down + residual."""
+    mlp_p = layer.get("mlp")
+    if mlp_p is None or not packing.is_packed_mlp(mlp_p):
+        h = rms_norm(x, norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
+        return x + feed_forward(layer, cfg, h, live_columns, kernels)
+    act = fused_projection(x, mlp_p[packing.MLP_PACKED], cfg, kernels, norm=norm, glu=True)
+    return fused_projection(act, mlp_p["down"], cfg, kernels, residual=x)
+
+
+def _output_projection(o, p, name: str, cfg: ModelConfig, kernels: str, residual):
+    """The mixer's output projection p[name] of o, plus `residual` when given (one fused projection)."""
+    bias = p.get(name + "_bias")
+    if residual is None or bias is not None:
+        y = linear(o, p[name], bias)
+        return y if residual is None else residual + y
+    return fused_projection(o, p[name], cfg, kernels, residual=residual)
+
+
 def _cache_heads(x, cfg: ModelConfig):
     """k or v [R, T, nKV, D] -> the cache's heads: each kv head repeated when a mesh has more
     devices than kv heads, so device d holds the kv head of its q heads (sharding.kv_cache_heads)."""
@@ -227,8 +258,9 @@ def _merged_qkv(p, x, kernels: str):
     return linear(x, w, jnp.concatenate([jnp.zeros((wi.shape[1],), w.dtype) if b is None else b for wi, b in parts]))
 
 
-def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
-    """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages).
+def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None):
+    """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages). With a
+    residual [R, T, H], returns residual + the attention output (added inside the o projection).
 
     QK-norm, RoPE and the KV write run as one op (`ops.qk_norm_rope_write`) over the merged
     projection. Under a mesh each device runs it on its shard's heads: q, k and v are projected
@@ -265,25 +297,28 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str):
     o = o.reshape(R, T, nH * D)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate.reshape(R, T, nH * D))
-    return linear(o, p["o"], p.get("o_bias")), (k_pages, v_pages)
+    return _output_projection(o, p, "o", cfg, kernels, residual), (k_pages, v_pages)
 
 
-def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kernels: str):
+def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kernels: str, norm=None,
+                    residual=None):
     """Gated DeltaNet mixer (docs/model_math.md#gated-deltanet). x [R, T, H]; ssm [S, HV, dk, dv] f32;
     conv [N, (K-1)+k_max, conv_dim]. mode "verify" snapshots the state after every token,
-    "prefill" runs the chunked form and keeps only the final state."""
+    "prefill" runs the chunked form and keeps only the final state. With `norm` (the layer's input
+    norm weight) x is the un-normed residual stream, normed inside the input projection; with a
+    residual [R, T, H], returns residual + the mixer's output (added inside the out projection)."""
     R, T, _ = x.shape
     HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if packing.is_packed(p):
         # One gemm (jaxspec/models/packing.py): the conv reads the leading conv_dim channels of its
-        # output and the recurrence its b / a columns, in place.
-        mixed, at = x @ p[packing.PACKED], packing.offsets(cfg)
-        z, a, b = mixed[..., at["z"]:at["z"] + HV * dv], mixed, mixed
+        # output, the recurrence its b / a columns and the output norm its z columns, in place.
+        mixed, at = fused_projection(x, p[packing.PACKED], cfg, kernels, norm=norm), packing.offsets(cfg)
+        gate, gate_at, a, b = mixed, at["z"], mixed, mixed
         a_at, b_at = at["a"], at["b"]
     else:
-        mixed, z = x @ p["qkv"], x @ p["z"]  # conv channels grouped per key head (ops.gdn_inputs)
+        x = x if norm is None else rms_norm(x, norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
+        mixed, gate, gate_at = x @ p["qkv"], x @ p["z"], 0  # conv channels grouped per key head (ops.gdn_inputs)
         b, a, a_at, b_at = narrow_linear(x, p["b"]), narrow_linear(x, p["a"]), 0, 0  # [R, T, HV]
-    z = z.reshape(R, T, HV, dv)
     has_state = batch.start_pos > 0
     channels, heads4, heads3 = (None, None, "gdn_heads"), (None, None, "gdn_heads", None), (None, None, "gdn_heads")
     conv_update = sharding.local(functools.partial(ops.conv_update, mode=mode, kernels=kernels), cfg,
@@ -307,5 +342,11 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
         gate_inputs = (a[..., a_at:a_at + HV], b[..., b_at:b_at + HV], p["A_log"], p["dt_bias"])
         o, ssm = run(*ops.gdn_inputs(mixed, *gate_inputs, dk=dk, dv=dv), ssm, read, batch.state_write, has_state,
                      num_valid)
+    if residual is not None:  # the gated norm, the out projection and the residual add in one
+        o = o.astype(x.dtype).reshape(R, T, HV * dv)
+        out = fused_projection(o, p["out"], cfg, kernels, norm=p["norm"], gate=gate, gate_at=gate_at,
+                               residual=residual)
+        return out, ssm, conv
+    z = gate[..., gate_at:gate_at + HV * dv].reshape(R, T, HV, dv)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(R, T, HV * dv)
     return o @ p["out"], ssm, conv

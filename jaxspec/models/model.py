@@ -63,17 +63,16 @@ def decoder_layer(layer, cfg: ModelConfig, i: int, x, batch: StepBatch, caches: 
 @functools.partial(jax.jit, static_argnames=("cfg", "mixer", "mode", "kernels", "live_columns"))
 def _layer(layer, x, batch: StepBatch, cache: tuple, *, cfg: ModelConfig, mixer: str, mode: str, kernels: str,
            live_columns: int | None):
-    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
-    h = layers.rms_norm(x, layer["input_norm"], eps, zc)
+    # The norms and residual adds go into the projections beside them (layers.fused_projection).
     if mixer == FULL:
-        h, kv = layers.attention(layer["attn"], cfg, h, batch, cache[0], kernels)
+        h = layers.rms_norm(x, layer["input_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
+        x, kv = layers.attention(layer["attn"], cfg, h, batch, cache[0], kernels, residual=x)
         cache = (kv,)
     else:
-        h, ssm, conv = layers.gated_delta_net(layer["gdn"], cfg, h, batch, *cache, mode=mode, kernels=kernels)
+        x, ssm, conv = layers.gated_delta_net(layer["gdn"], cfg, x, batch, *cache, mode=mode, kernels=kernels,
+                                              norm=layer["input_norm"], residual=x)
         cache = (ssm, conv)
-    x = x + h
-    h = layers.rms_norm(x, layer["post_norm"], eps, zc)
-    return x + layers.feed_forward(layer, cfg, h, live_columns, kernels), cache
+    return layers.residual_feed_forward(layer, cfg, x, layer["post_norm"], live_columns, kernels), cache
 
 
 @layers.weight_precision

@@ -13,6 +13,8 @@ import jaxspec
 from jaxspec.cache import cache_shapes
 from jaxspec.models.model import StepBatch, forward
 from jaxspec.ops import resolve_kernels
+from pallas_kernels.linear import api as linear_api
+from pallas_kernels.linear.kernel import gated_fits
 from tests.jaxprs import pallas_calls
 from tests.models.conftest import CHUNK, VARIANTS, hf_model, prompts
 
@@ -77,8 +79,9 @@ def test_pallas_kernels_match_hf(variant, jax_model, hf_reference):
     assert jaxspec.generate(model, ps, max_new_tokens=NEW_TOKENS).token_ids == hf_gens
 
 
-def model_step_pallas_calls(model, kernels: str, mode: str, T: int) -> int:
-    """pallas_call equations in the jaxpr of one step of model.forward over 2 rows of T tokens."""
+def model_step_pallas_calls(model, kernels: str, mode: str, T: int, kernel: str | None = None) -> int:
+    """pallas_call equations (of `kernel`, if given) in the jaxpr of one step of model.forward over 2 rows
+    of T tokens."""
     ecfg = model.engine_config(3)
     caches = cache_shapes(model.config, ecfg, model.dtype)
     i32 = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -89,7 +92,7 @@ def model_step_pallas_calls(model, kernels: str, mode: str, T: int) -> int:
     def step(params, caches, batch):
         return forward(params, model.config, caches, batch, mode=mode, kernels=kernels, last_only=False)
 
-    return pallas_calls(step, model.params, caches, batch)
+    return pallas_calls(step, model.params, caches, batch, kernel=kernel)
 
 
 @pytest.mark.parametrize("variant", PALLAS_VARIANTS)
@@ -106,3 +109,22 @@ def test_pallas_kernels_are_in_the_model_step(variant, jax_model):
         want = len(cfg.attention_layers) + 2 * len(cfg.gdn_layers) + 2 * cfg.mlp_kinds.count("moe")
         assert calls >= want, (mode, calls)
         assert model_step_pallas_calls(model, "xla", mode, T) == 0
+
+
+def fused_projections_per_step(cfg) -> int:
+    """Fused projections of a decode / verify step: per GDN layer its input (norm + in_proj) and, where
+    the kernel takes the value head dim as its gated norm's group, out projections; per attention layer
+    its o projection; per dense MLP two (norm + gate / up + SwiGLU, down + residual)."""
+    gdn = 1 + gated_fits(cfg.linear_value_head_dim)
+    return gdn * len(cfg.gdn_layers) + len(cfg.attention_layers) + 2 * cfg.mlp_kinds.count("dense")
+
+
+@pytest.mark.parametrize("variant", PALLAS_VARIANTS)
+def test_projections_are_fused_at_a_verify_steps_rows(variant, jax_model):
+    """At a verify step's rows (2 x 4) every sublayer's projection runs with its norm and residual or
+    SwiGLU as one fused_linear kernel; past the kernel's rows (a prefill chunk of 2 x 33) XLA's gemm."""
+    model, _ = jax_model(variant, kernels="pallas")
+    verify = model_step_pallas_calls(model, "pallas", "verify", 4, kernel="fused_linear")
+    assert verify == fused_projections_per_step(model.config), verify
+    T = linear_api.MAX_ROWS // 2 + 1
+    assert model_step_pallas_calls(model, "pallas", "prefill", T, kernel="fused_linear") == 0
