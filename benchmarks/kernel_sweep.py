@@ -2,17 +2,20 @@
 """Kernel launch-parameter sweep: the paged span attention (pages per loop step x KV splits x warps x
 pipeline stages), the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
 "gdn_verify_mixed" the one the model runs, with the layer's glue inside), the GDN chunked prefill
-(chunk x V-block x warps x stages x float32 dot mode) and the prefill's causal conv (token tile x
-channel block x warps), each config timed as pipelined wall per call and profiled for the GPU busy
-time of its own kernels, beside its bytes floor.
+(chunk x V-block x warps x stages x float32 dot mode), the prefill's causal conv (token tile x
+channel block x warps) and the fused projection of a decode / verify step (K slab x column block x
+warps x stages, beside XLA's norm + gemm + epilogue), each config timed as pipelined wall per call
+and profiled for the GPU busy time of its own kernels, beside its bytes floor.
 
 This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
 pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py and
-chunk.py, the conv's block_t / block_c in conv.py) were chosen; the default config of each shape is
-always timed and marked. Inputs and floors are benchmarks/kernels.py's (KV pages and state slots
-rotated past the L2). Busy time counts only the swept kernels (attention: the split kernel and its
-merge; GDN verify: the recurrence; prefill: its three kernels; conv: the prefill conv), not the
-harness's own ops; the wall time holds them too and one launch gap per call. The prefill is compute
+chunk.py, the conv's block_t / block_c in conv.py, `block_sizes` in pallas_kernels/linear/kernel.py)
+were chosen; the default config of each shape is always timed and marked. Inputs and floors are
+benchmarks/kernels.py's (KV pages and state slots rotated past the L2; linear: a weight copy per
+call). Busy time counts only the swept kernels (attention: the split kernel and its merge; GDN
+verify: the recurrence; prefill: its three kernels; conv: the prefill conv; linear: the kernel, or
+for the "xla" config every kernel of the call), not the harness's own ops; the wall time holds them
+too and one launch gap per call. The prefill is compute
 bound: its bytes floor is not its limit.
 """
 
@@ -31,15 +34,29 @@ import numpy as np  # noqa: E402
 from benchmarks import common, kernels  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
-KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill", "conv_prefill")
+KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill", "conv_prefill", "linear")
 # The names each kernel's pallas_calls give their GPU kernels (busy time counts only these).
 KERNEL_NAMES = {"attention": ("paged_span_attention",), "gdn_verify": ("gdn_verify",),
                 "gdn_verify_mixed": ("gdn_verify_mixed",),
                 "gdn_prefill": ("gdn_intra_chunk", "gdn_chunk_state_pass", "gdn_chunk_output"),
-                "conv_prefill": ("conv_update_prefill",)}
+                "conv_prefill": ("conv_update_prefill",), "linear": ("fused_linear",)}
+# Fused projections per model (K, N, epilogue): "norm_zc" (the hybrids' RMSNorm before), "glu" (the
+# hybrids' norm + packed gate / up + SwiGLU), "glu_plain" (Qwen3's), "residual" (added after), "gated"
+# (the GDN's gated norm over 128-channel groups before, residual after).
+LINEAR_LAYOUTS = {
+    "qwen3.5-2b": {"gdn_in": (2048, 8224, "norm_zc"), "gate_up": (2048, 12288, "glu"),
+                   "down": (6144, 2048, "residual"), "out": (2048, 2048, "gated")},
+    "qwen3-4b": {"gate_up": (2560, 19456, "glu_plain"), "down": (9728, 2560, "residual"),
+                 "o": (4096, 2560, "residual")},
+    "qwen3.5-27b": {"gdn_in": (5120, 16480, "norm_zc"), "gate_up": (5120, 34816, "glu"),
+                    "down": (17408, 5120, "residual"), "out": (6144, 5120, "gated")},
+}
+GATE_GROUP = 128
+SMOKE_LINEAR = {"demo": {"gate_up": (64, 96, "glu"), "down": (48, 64, "residual"), "out": (256, 64, "gated")}}
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
              stages="2", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16", prefill_stages="1",
-             f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", reps=2, repeats=3, traced=1,
+             f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
+             linear_block_n="16,32", linear_warps="4", linear_stages="3", reps=2, repeats=3, traced=1,
              compile_threads=2, bandwidth_gib=1 / 32)
 
 
@@ -65,6 +82,10 @@ def parse(argv=None):
     p.add_argument("--conv-block-t", default="8,16,32", help="conv_prefill: tokens per program")
     p.add_argument("--conv-block-c", default="128,256", help="conv_prefill: channels per program (at most)")
     p.add_argument("--conv-warps", default="4", help="conv_prefill: warps per program")
+    p.add_argument("--linear-block-k", default="128,256,512", help="linear: K rows per pipeline stage")
+    p.add_argument("--linear-block-n", default="16,32,64", help="linear: output columns per program")
+    p.add_argument("--linear-warps", default="4", help="linear: warps per program")
+    p.add_argument("--linear-stages", default="3,4", help="linear: Triton pipeline stages")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
     p.add_argument("--traced", type=int, default=3, help="calls inside the profile")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
@@ -74,7 +95,7 @@ def parse(argv=None):
     from pallas_kernels.gated_delta.chunk import F32_DOTS
 
     common.check_choices("--f32-dots", args.f32_dots, F32_DOTS, "dot mode")
-    known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS}
+    known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS, *LINEAR_LAYOUTS}
     common.check_choices("--layouts", args.layouts, sorted(known), "layout")
     if max(common.int_list(args.ks)) > kernels.KMAX:
         raise SystemExit(f"--ks: k <= {kernels.KMAX}")
@@ -82,6 +103,10 @@ def parse(argv=None):
 
 
 def _layouts(kernel: str, args) -> dict:
+    if kernel == "linear":
+        table = {**LINEAR_LAYOUTS, **SMOKE_LINEAR}
+        names = args.layouts.split(",")
+        return {f"{name}:{proj}": shape for name in names for proj, shape in table.get(name, {}).items()}
     gdn = {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}
     table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN}, "gdn_verify": gdn,
              "gdn_verify_mixed": gdn, "gdn_prefill": gdn, "conv_prefill": gdn}[kernel]
@@ -126,6 +151,62 @@ def _conv_configs(args) -> tuple[list[tuple], tuple]:
     axes = (args.conv_block_t, args.conv_block_c, args.conv_warps)
     grid = itertools.product(*(common.int_list(x) for x in axes))
     return sorted(set(grid) | {default}), default
+
+
+def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
+    from pallas_kernels.linear.kernel import block_sizes
+
+    k_dim, n_dim, epilogue = layout
+    glu = epilogue.startswith("glu")
+    _, block_k, block_n = block_sizes(rows, k_dim, n_dim // 2 if glu else n_dim, 2, glu)
+    block_ks = common.int_list(args.linear_block_k)
+    if epilogue == "gated":  # one slab per norm group
+        block_k, block_ks = GATE_GROUP, [GATE_GROUP]
+    default = (block_k, block_n, 4, 4)  # fused_linear_pallas' defaults (bfloat16)
+    axes = (block_ks, *(common.int_list(x) for x in (args.linear_block_n, args.linear_warps, args.linear_stages)))
+    return sorted(set(itertools.product(*axes)) | {default}) + [("xla",)], default
+
+
+def _linear_inputs(rng, layout, rows: int, reps: int):
+    """x, a weight copy per call (rotated past the L2), the residual and gate per call, the norm weight:
+    bfloat16. The floor counts the weights, x, the output and what the epilogue reads."""
+    import jax.numpy as jnp
+
+    k_dim, n_dim, epilogue = layout
+    bf16 = lambda *shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)  # noqa: E731
+    n_out = n_dim // 2 if epilogue.startswith("glu") else n_dim
+    per = [{"x": bf16(rows, k_dim), "w": bf16(k_dim, n_dim, scale=k_dim**-0.5), "r": bf16(rows, n_out),
+            "z": bf16(rows, k_dim)} for _ in range(reps)]
+    fixed = {"g": bf16(GATE_GROUP if epilogue == "gated" else k_dim, scale=0.1)}
+    extra = {"residual": rows * n_out, "gated": rows * (n_out + k_dim)}.get(epilogue, 0)
+    nbytes = {"floor": 2 * (k_dim * n_dim + rows * (k_dim + n_out) + extra)}
+    return per, fixed, nbytes
+
+
+def _linear_fn(config, layout, reps: int, interpret: bool):
+    import functools
+
+    import jax
+
+    from pallas_kernels.linear import reference
+    from pallas_kernels.linear.kernel import fused_linear_pallas
+
+    epilogue = layout[2]
+    kw = dict(zero_centered=epilogue in ("norm_zc", "glu"), glu=epilogue.startswith("glu"))
+    if config == ("xla",):
+        fn = functools.partial(reference.fused_linear, **kw)
+    else:
+        block_k, block_n, warps, stages = config
+        fn = functools.partial(fused_linear_pallas, interpret=interpret, num_warps=warps, num_stages=stages,
+                               blocks=(block_k, block_n), **kw)
+    residual = epilogue in ("residual", "gated")
+
+    def run(state, per, fixed):
+        del state
+        return [fn(x["x"], x["w"], None if epilogue == "residual" else fixed["g"], x["r"] if residual else None,
+                   gate=x["z"] if epilogue == "gated" else None) for x in per[:reps]]
+
+    return jax.jit(run)
 
 
 def _attention_fn(config, scale: float, reps: int, interpret: bool):
@@ -204,9 +285,13 @@ def _conv_fn(config, reps: int, interpret: bool):
     return jax.jit(run, donate_argnums=0)
 
 
-def _busy_us(call, kernel: str, traced: int, reps: int) -> float | None:
-    """GPU busy microseconds per kernel call of the swept kernel's own launches (None off GPU)."""
+def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> float | None:
+    """GPU busy microseconds per kernel call of the swept kernel's own launches, or of every kernel
+    (None off GPU)."""
     import jax
+
+    if jax.default_backend() != "gpu":
+        return None
 
     from benchmarks.profile_step import _kernel_events
 
@@ -216,7 +301,7 @@ def _busy_us(call, kernel: str, traced: int, reps: int) -> float | None:
             for _ in range(traced):
                 out = call()
             common.block(out)
-        events = [e for e in _kernel_events(trace_dir) if any(n in e[0] for n in KERNEL_NAMES[kernel])]
+        events = [e for e in _kernel_events(trace_dir) if every or any(n in e[0] for n in KERNEL_NAMES[kernel])]
     return sum(d for _, _, d in events) / 1e3 / (traced * reps) if events else None
 
 
@@ -236,6 +321,11 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
                                                            cache)
         configs, default = _prefill_configs(args, layout, B)
         make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
+    elif kernel == "linear":
+        state = None
+        per, fixed, nbytes = _linear_inputs(rng, layout, B * T, args.reps)
+        configs, default = _linear_configs(args, layout, B * T)
+        make = {c: _linear_fn(c, layout, args.reps, interpret) for c in configs}
     elif kernel == "conv_prefill":
         state, per, fixed, _, _ = kernels._conv_inputs(rng, layout, B, T, 0, args.reps)
         C = per[0]["x"].shape[-1]
@@ -258,14 +348,14 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     for config, exe in compiled.items():
 
         def call(exe=exe):
-            if kernel == "attention":
+            if kernel in ("attention", "linear"):
                 return exe(st["state"], per, fixed)
             st["state"], outs = exe(st["state"], per, fixed)
             return outs
 
         try:
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
-            busy = _busy_us(call, kernel, args.traced, args.reps)
+            busy = _busy_us(call, kernel, args.traced, args.reps, every=config == ("xla",))
         except Exception as e:
             res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
             continue
@@ -277,7 +367,8 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 def print_tables(res) -> None:
     fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps",
-              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps"}
+              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
+              "linear": "block_k, block_n, warps, stages (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",

@@ -163,7 +163,14 @@ def test_kernel_sweep_smoke(smoke):
     # token tiles 4 / 8 x 64 channels, 4 warps; plus the default (8 tokens, 256 channels)
     conv = {tuple(r["config"]) for r in rows if r["kernel"] == "conv_prefill"}
     assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
-    assert sum(r["default"] for r in rows) == 5  # one default per (kernel, shape)
+    # K slabs of 64 (the gated norm: its 128-channel group) x column blocks 16 / 32, 4 warps, 3 stages; the
+    # default (16 columns, 4 stages); XLA's ops
+    linear = {(r["layout"], tuple(r["config"])) for r in rows if r["kernel"] == "linear"}
+    want = {(64, 16, 4, 3), (64, 32, 4, 3), (64, 16, 4, 4), ("xla",)}
+    gated = {(128, 16, 4, 3), (128, 32, 4, 3), (128, 16, 4, 4), ("xla",)}
+    assert linear == ({(f"demo:{proj}", c) for proj in ("gate_up", "down") for c in want}
+                      | {("demo:out", c) for c in gated}), linear
+    assert sum(r["default"] for r in rows) == 8  # one default per (kernel, shape)
     for r in rows:
         assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
