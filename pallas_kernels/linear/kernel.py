@@ -106,7 +106,7 @@ def _fused_kernel(
         xb = pltriton.load(x_ref.at[row[:, None], ks[None, :]], mask=x_mask, other=0.0)
         if has_gate:  # one group per slab: rms_norm_gated's roundings
             xf = xb.astype(jnp.float32)
-            y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)).astype(g_ref.dtype)
+            y = (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / block_k + eps)).astype(g_ref.dtype)
             y = pltriton.load(g_ref.at[slab])[None, :] * y
             z = pltriton.load(z_ref.at[row[:, None], gate_at + ks[None, :]], mask=x_mask, other=0.0)
             z = z.astype(jnp.float32)
