@@ -277,7 +277,8 @@ def _kernels_line(model) -> str:
 
     line = f"{model.kernels} -> {ops.resolve_kernels(model.kernels)}"
     if any(packing.is_packed_layer(layer) for layer in model.params["layers"]):
-        line += "; input projections (GDN, MLP gate / up) packed into one weight per layer (docs/architecture.md)"
+        line += ("; input projections (GDN, attention q / k / v, MLP gate / up) packed into one weight per layer "
+                 "(docs/architecture.md)")
     return line
 
 

@@ -591,7 +591,7 @@ def _ungroup(cfg: ModelConfig, a) -> np.ndarray:
 def _export_layer(cfg: ModelConfig, layer: dict, p: str, out: Tensors, fused_experts: bool) -> None:
     _export_spec(layer, _layer_norms(cfg, p), out)
     if "attn" in layer:
-        _export_spec(layer["attn"], _attn_spec(cfg, p), out)
+        _export_spec(packing.unpack_attention(layer["attn"], cfg), _attn_spec(cfg, p), out)
     else:
         gdn = dict(packing.unpack_gdn(layer["gdn"], cfg))
         gdn["conv"] = _ungroup(cfg, gdn["conv"])

@@ -52,7 +52,8 @@ def test_generate_prints_text_and_stats(capsys):
 
 @pytest.mark.parametrize(("kernels", "line"), [
     ("xla", "kernels: xla -> xla\n"),
-    ("pallas", "kernels: pallas -> pallas; input projections (GDN, MLP gate / up) packed into one weight per layer"),
+    ("pallas", "kernels: pallas -> pallas; input projections (GDN, attention q / k / v, MLP gate / up) packed "
+               "into one weight per layer"),
 ])
 def test_info_names_the_kernels_and_packing(kernels, line, capsys):
     flags = [f for f in CLI_FLAGS if f not in ("--kernels", "xla")]

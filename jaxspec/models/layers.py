@@ -258,9 +258,11 @@ def _merged_qkv(p, x, kernels: str):
     return linear(x, w, jnp.concatenate([jnp.zeros((wi.shape[1],), w.dtype) if b is None else b for wi, b in parts]))
 
 
-def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None):
+def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None, norm=None):
     """(Gated) full attention over the paged KV cache. x [R, T, H]; kv = (k_pages, v_pages). With a
     residual [R, T, H], returns residual + the attention output (added inside the o projection).
+    With `norm` (the layer's input norm weight) x is the un-normed residual stream; packed params
+    (jaxspec/models/packing.py) norm it inside their one q / k / v projection.
 
     QK-norm, RoPE and the KV write run as one op (`ops.qk_norm_rope_write`) over the merged
     projection. Under a mesh each device runs it on its shard's heads: q, k and v are projected
@@ -272,8 +274,13 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None):
                                  theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, kernels=kernels)
     norms = (p.get("q_norm"), p.get("k_norm"))  # QK-norm: every Qwen family; the EAGLE-3 draft layer has none
     heads, kv_heads, kv_axes = (None, None, "heads", None), (None, None, "cache_heads", None), sharding.KV_AXES
+    if packing.is_packed_attention(p):  # one device only: a sharded model is never packed
+        qkv = fused_projection(x, p[packing.ATTN_PACKED], cfg, kernels, norm=norm)
+        qkv = qkv if packing.ATTN_BIAS not in p else qkv + p[packing.ATTN_BIAS]
+    else:
+        x = x if norm is None else rms_norm(x, norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
+        qkv = _merged_qkv(p, x, kernels) if cfg.mesh is None else None
     if cfg.mesh is None:
-        qkv = _merged_qkv(p, x, kernels)
         gate = qkv[..., :nH * q_stride].reshape(R, T, nH, q_stride)[..., D:] if cfg.attn_output_gate else None
         q, k_pages, v_pages = prologue(qkv, *norms, kv[0], kv[1], batch.block_tables, batch.start_pos,
                                        batch.num_valid, n_heads=nH, q_stride=q_stride)

@@ -65,8 +65,7 @@ def _layer(layer, x, batch: StepBatch, cache: tuple, *, cfg: ModelConfig, mixer:
            live_columns: int | None):
     # The norms and residual adds go into the projections beside them (layers.fused_projection).
     if mixer == FULL:
-        h = layers.rms_norm(x, layer["input_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-        x, kv = layers.attention(layer["attn"], cfg, h, batch, cache[0], kernels, residual=x)
+        x, kv = layers.attention(layer["attn"], cfg, x, batch, cache[0], kernels, residual=x, norm=layer["input_norm"])
         cache = (kv,)
     else:
         x, ssm, conv = layers.gated_delta_net(layer["gdn"], cfg, x, batch, *cache, mode=mode, kernels=kernels,

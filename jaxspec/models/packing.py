@@ -15,6 +15,12 @@ every call: 100 MB per Qwen3.5-2B layer, 25 us on an H200. Packed at load into `
 the MLP runs one gemm and splits its output (docs/benchmarks.md, "Prefill: conv on the grid, packed
 MLP").
 
+Full attention projects its input three ways, q, k and v. Packed at load into `qkv` [H, Cq + 2 Ck]
+(and their biases, where the checkpoint has them, into `qkv_bias`), the layer's input norm runs
+inside that one projection (ops.fused_linear) and the QK-norm / RoPE / KV-write prologue reads the
+q, k and v columns of its output in place; unpacked, the Pallas path would concatenate the three
+weights on every call.
+
 `Model` packs its params when its kernels resolve to Pallas on one device (`packs`). Everything
 that writes weights out (`jaxspec.save`, the HF export) unpacks first, so saved files keep the
 canonical layout and load under any kernels or mesh; a sharded model is never packed (its qkv, z,
@@ -30,6 +36,9 @@ PARTS = ("qkv", "z", "b", "a")
 PACKED = "in_proj"
 MLP_PARTS = ("gate", "up")
 MLP_PACKED = "gate_up"
+ATTN_PARTS = ("q", "k", "v")
+ATTN_PACKED = "qkv"
+ATTN_BIAS = "qkv_bias"
 
 
 def widths(cfg: ModelConfig) -> tuple[int, ...]:
@@ -46,11 +55,18 @@ def offsets(cfg: ModelConfig) -> dict[str, int]:
     return starts
 
 
+def _split_columns(y, widths_: tuple[int, ...], names: tuple[str, ...]) -> dict:
+    """{name: its columns} of y's last axis, cut into consecutive widths."""
+    out, at = {}, 0
+    for name, width in zip(names, widths_, strict=True):
+        out[name], at = y[..., at:at + width], at + width
+    return out
+
+
 def split(y, cfg: ModelConfig) -> dict:
-    """{part: its columns} of an array whose last axis holds the packed columns (the weight, or a
+    """{part: its columns} of an array whose last axis holds the packed GDN columns (the weight, or a
     projection output)."""
-    starts = offsets(cfg)
-    return {name: y[..., starts[name]:starts[name] + width] for name, width in zip(PARTS, widths(cfg), strict=True)}
+    return _split_columns(y, widths(cfg), PARTS)
 
 
 def packs(cfg: ModelConfig, kernels: str) -> bool:
@@ -108,11 +124,59 @@ def split_mlp(h):
     return h[..., :inter], h[..., inter:]
 
 
-def _map_layer(layer: dict, gdn_fn, mlp_fn) -> dict:
-    """The layer with gdn_fn applied to its GDN params and mlp_fn to its dense MLP or shared expert."""
+def attention_widths(cfg: ModelConfig) -> tuple[int, ...]:
+    """Columns of q (with the output gate's, per head, where gated), k and v, in ATTN_PARTS order."""
+    q_out = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    return q_out, cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+
+def is_packed_attention(attn: dict) -> bool:
+    return ATTN_PACKED in attn
+
+
+def pack_attention(attn: dict) -> dict:
+    """An attention layer's params with q, k, v (and q_bias, k_bias, v_bias) replaced by qkv (and
+    qkv_bias); a packed layer is returned as is."""
+    if is_packed_attention(attn):
+        return attn
+    biases = [part + "_bias" for part in ATTN_PARTS]
+    out = _packed(attn, ATTN_PARTS, ATTN_PACKED)
+    if any(name in attn for name in biases):
+        out = {key: value for key, value in out.items() if key not in biases}
+        out[ATTN_BIAS] = jnp.concatenate([attn.get(name, jnp.zeros((attn[part].shape[1],), attn[part].dtype))
+                                          for part, name in zip(ATTN_PARTS, biases, strict=True)])
+    return out
+
+
+def unpack_attention(attn: dict, cfg: ModelConfig) -> dict:
+    """An attention layer's params in the canonical layout (q, k, v and their biases), from either layout."""
+    if not is_packed_attention(attn):
+        return attn
+    widths_ = attention_widths(cfg)
+    parts = _split_columns(attn[ATTN_PACKED], widths_, ATTN_PARTS)
+    if ATTN_BIAS in attn:
+        parts.update(_split_columns(attn[ATTN_BIAS], widths_, tuple(part + "_bias" for part in ATTN_PARTS)))
+    return {**{key: value for key, value in attn.items() if key not in (ATTN_PACKED, ATTN_BIAS)}, **parts}
+
+
+def project_attention(p: dict, cfg: ModelConfig, x):
+    """The attention input projections (q, k, v) of x [..., H] from either layout, biases added."""
+    if is_packed_attention(p):
+        y = x @ p[ATTN_PACKED]
+        parts = _split_columns(y if ATTN_BIAS not in p else y + p[ATTN_BIAS], attention_widths(cfg), ATTN_PARTS)
+        return tuple(parts[name] for name in ATTN_PARTS)
+    return tuple(x @ p[name] if p.get(name + "_bias") is None else x @ p[name] + p[name + "_bias"]
+                 for name in ATTN_PARTS)
+
+
+def _map_layer(layer: dict, gdn_fn, mlp_fn, attn_fn) -> dict:
+    """The layer with gdn_fn applied to its GDN params, attn_fn to its attention and mlp_fn to its
+    dense MLP or shared expert."""
     out = dict(layer)
     if "gdn" in out:
         out["gdn"] = gdn_fn(out["gdn"])
+    if "attn" in out:
+        out["attn"] = attn_fn(out["attn"])
     if "mlp" in out:
         out["mlp"] = mlp_fn(out["mlp"])
     if "shared" in out.get("moe", {}):
@@ -126,20 +190,22 @@ def pack(params: dict) -> dict:
     memory, not the whole model's. A model sharing this params tree (dataclasses.replace) sees the
     packed layout, which every path reads."""
     for i, layer in enumerate(params["layers"]):
-        params["layers"][i] = _map_layer(layer, pack_gdn, pack_mlp)
+        params["layers"][i] = _map_layer(layer, pack_gdn, pack_mlp, pack_attention)
     return params
 
 
 def unpack(params: dict, cfg: ModelConfig) -> dict:
     """A params tree with every layer in the canonical layout (new slices of packed weights)."""
-    layers = [_map_layer(layer, lambda gdn: unpack_gdn(gdn, cfg), unpack_mlp) for layer in params["layers"]]
+    layers = [_map_layer(layer, lambda gdn: unpack_gdn(gdn, cfg), unpack_mlp, lambda attn: unpack_attention(attn, cfg))
+              for layer in params["layers"]]
     return dict(params, layers=layers)
 
 
 def is_packed_layer(layer: dict) -> bool:
     """Whether any of the layer's projections are packed."""
     mlps = (layer.get("mlp"), layer.get("moe", {}).get("shared"))
-    return ("gdn" in layer and is_packed(layer["gdn"])) or any(m is not None and is_packed_mlp(m) for m in mlps)
+    return (("gdn" in layer and is_packed(layer["gdn"])) or ("attn" in layer and is_packed_attention(layer["attn"]))
+            or any(m is not None and is_packed_mlp(m) for m in mlps))
 
 
 def project(p: dict, cfg: ModelConfig, x):

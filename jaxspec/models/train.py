@@ -41,14 +41,13 @@ def _qkv(p, cfg: ModelConfig, x, positions):
     [B, T, H_in] (H_in = 2H for the EAGLE-3 layer); QK-norm where the layer has it."""
     B, T, _ = x.shape
     nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = layers.linear(x, p["q"], p.get("q_bias"))
+    q, k, v = packing.project_attention(p, cfg, x)
     gate = None
     if cfg.attn_output_gate:  # q_proj columns per head: [q_h | gate_h]
         q, gate = jnp.split(q.reshape(B, T, nH, 2 * D), 2, axis=-1)
         gate = gate.reshape(B, T, nH * D)
     q = q.reshape(B, T, nH, D)
-    k = layers.linear(x, p["k"], p.get("k_bias")).reshape(B, T, nKV, D)
-    v = layers.linear(x, p["v"], p.get("v_bias")).reshape(B, T, nKV, D)
+    k, v = k.reshape(B, T, nKV, D), v.reshape(B, T, nKV, D)
     if "q_norm" in p:  # as layers.attention: the EAGLE-3 draft layer has no QK-norm
         q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)
         k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centered_norm)

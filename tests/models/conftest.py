@@ -13,11 +13,12 @@ CHUNK, PAGE = 8, 4
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3)
 
 # (fixture kind, text-config overrides): GQA ratios 1/2/3, GVA ratios 1/2/3, tied and untied, MoE
-# with and without a shared expert, the multimodal-wrapped Qwen3.5 layout.
+# with and without a shared expert, the multimodal-wrapped Qwen3.5 layout, attention biases.
 VARIANTS = {
     "qwen3-gqa1-tied": ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3-gqa2": ("qwen3", dict()),
     "qwen3-gqa3": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=2)),
+    "qwen3-bias": ("qwen3", dict(attention_bias=True)),  # q / k / v / o biases
     "qwen3_moe": ("qwen3_moe", dict()),
     "qwen3_5-gva1": ("qwen3_5", dict(linear_num_value_heads=2)),
     "qwen3_5-gva2-tied": ("qwen3_5", dict(tie_word_embeddings=True)),

@@ -66,7 +66,7 @@ def test_greedy_generation_matches_hf(variant, jax_model, hf_reference):
     assert max(len(g) for g in hf_gens) == NEW_TOKENS  # at least one run reached the full length
 
 
-PALLAS_VARIANTS = ["qwen3-gqa2", "qwen3_5-gva2-d16", "qwen3_next-gva3-d16", "qwen3_5_moe"]
+PALLAS_VARIANTS = ["qwen3-gqa2", "qwen3-bias", "qwen3_5-gva2-d16", "qwen3_next-gva3-d16", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("variant", PALLAS_VARIANTS)
@@ -114,9 +114,11 @@ def test_pallas_kernels_are_in_the_model_step(variant, jax_model):
 def fused_projections_per_step(cfg) -> int:
     """Fused projections of a decode / verify step: per GDN layer its input (norm + in_proj) and, where
     the kernel takes the value head dim as its gated norm's group, out projections; per attention layer
-    its o projection; per dense MLP two (norm + gate / up + SwiGLU, down + residual)."""
+    two (norm + q / k / v, o + residual; an o projection with a bias runs as XLA's gemm); per dense MLP
+    two (norm + gate / up + SwiGLU, down + residual)."""
     gdn = 1 + gated_fits(cfg.linear_value_head_dim)
-    return gdn * len(cfg.gdn_layers) + len(cfg.attention_layers) + 2 * cfg.mlp_kinds.count("dense")
+    attention = 1 + (not cfg.attention_bias)
+    return gdn * len(cfg.gdn_layers) + attention * len(cfg.attention_layers) + 2 * cfg.mlp_kinds.count("dense")
 
 
 @pytest.mark.parametrize("variant", PALLAS_VARIANTS)

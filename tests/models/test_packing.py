@@ -1,4 +1,5 @@
-"""Packed input projections (jaxspec/models/packing.py: GDN qkv | z | b | a, MLP gate | up): who
+"""Packed input projections (jaxspec/models/packing.py: GDN qkv | z | b | a, attention q | k | v, MLP
+gate | up): who
 packs, that every path reads the packed layout as it reads the canonical one, and that nothing
 written out is packed."""
 
@@ -37,6 +38,10 @@ def mlps(model):
 
 def gdn_layers(model):
     return [layer["gdn"] for layer in model.params["layers"] if "gdn" in layer]
+
+
+def attention_layers(model):
+    return [layer["attn"] for layer in model.params["layers"] if "attn" in layer]
 
 
 def assert_trees_equal(a, b):
@@ -106,16 +111,74 @@ def test_packed_params_run_the_xla_path_as_the_canonical_ones(family, models):
         assert rel_rms(got, want) < 1e-5
 
 
+def first_layer_pair(models, family, params_of, seed: int):
+    """(config, a random input x [2, 5, H], the first such layer's canonical and packed params)."""
+    xla, pallas = models[family, "xla"], models[family, "pallas"]
+    x = jax.random.normal(jax.random.PRNGKey(seed), (2, 5, xla.config.hidden_size), jnp.float32)
+    return xla.config, x, params_of(xla)[0], params_of(pallas)[0]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_project_and_train_read_either_layout(family, models):
-    xla, pallas = models[family, "xla"], models[family, "pallas"]
-    cfg = xla.config
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, cfg.hidden_size), jnp.float32)
-    canonical, packed = gdn_layers(xla)[0], gdn_layers(pallas)[0]
+    cfg, x, canonical, packed = first_layer_pair(models, family, gdn_layers, 0)
     for got, want in zip(packing.project(packed, cfg, x), packing.project(canonical, cfg, x), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(train.gated_delta_net(packed, cfg, x)),
                                np.asarray(train.gated_delta_net(canonical, cfg, x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MLP_FAMILIES)
+def test_pallas_on_one_device_packs_every_attention_layer(family, models):
+    xla, pallas = models[family, "xla"], models[family, "pallas"]
+    cfg = pallas.config
+    canonical, packed = attention_layers(xla), attention_layers(pallas)
+    assert canonical and not any(packing.is_packed_attention(a) for a in canonical)
+    q_out = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    assert packing.attention_widths(cfg) == (q_out,) + (cfg.num_key_value_heads * cfg.head_dim,) * 2
+    for c, p in zip(canonical, packed, strict=True):
+        assert packing.is_packed_attention(p) and not set(packing.ATTN_PARTS) & set(p)
+        assert p[packing.ATTN_PACKED].shape == (cfg.hidden_size, sum(packing.attention_widths(cfg)))
+        assert packing.ATTN_BIAS not in p  # the demo checkpoints have no q / k / v biases
+        assert_trees_equal(packing.unpack_attention(p, cfg), c)
+        assert packing.pack_attention(p) is p and packing.unpack_attention(c, cfg) is c
+
+
+@pytest.mark.parametrize("family", MLP_FAMILIES)
+def test_packed_attention_projects_and_trains_as_the_canonical_one(family, models):
+    """project_attention and the whole-sequence attention (train) read either layout."""
+    cfg, x, canonical, packed = first_layer_pair(models, family, attention_layers, 2)
+    for got, want, name in zip(packing.project_attention(packed, cfg, x), packing.project_attention(canonical, cfg, x),
+                               packing.ATTN_PARTS, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(want), np.asarray(x @ canonical[name]), rtol=1e-6, atol=1e-6)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    np.testing.assert_allclose(np.asarray(train.causal_attention(packed, cfg, x, positions)),
+                               np.asarray(train.causal_attention(canonical, cfg, x, positions)), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_biases_pack_beside_their_weights():
+    """A checkpoint with q / k / v biases (attention_bias): qkv_bias holds them in the weights' column
+    order (zeros for a missing one), the packed projection adds them, and unpacking gives them back."""
+    cfg = jaxspec.load("demo:qwen3", **dict(SETTINGS, dtype="float32")).config
+    widths = packing.attention_widths(cfg)
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    attn = {name: jax.random.normal(key, (cfg.hidden_size, width)) for name, key, width
+            in zip(packing.ATTN_PARTS, keys[:3], widths, strict=True)}
+    attn.update({name + "_bias": jax.random.normal(key, (width,)) for name, key, width
+                 in zip(packing.ATTN_PARTS, keys[3:], widths, strict=True)})
+    attn["o"] = jnp.ones((widths[0], cfg.hidden_size))
+    packed = packing.pack_attention(attn)
+    assert sorted(packed) == ["o", packing.ATTN_PACKED, packing.ATTN_BIAS]
+    np.testing.assert_array_equal(np.asarray(packed[packing.ATTN_BIAS][widths[0]:widths[0] + widths[1]]),
+                                  np.asarray(attn["k_bias"]))
+    x = jax.random.normal(jax.random.PRNGKey(4), (3, cfg.hidden_size))
+    for got, name in zip(packing.project_attention(packed, cfg, x), packing.ATTN_PARTS, strict=True):
+        want = x @ attn[name] + attn[name + "_bias"]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert_trees_equal(packing.unpack_attention(packed, cfg), attn)
+    no_k_bias = {key: value for key, value in attn.items() if key != "k_bias"}
+    np.testing.assert_array_equal(np.asarray(packing.pack_attention(no_k_bias)[packing.ATTN_BIAS][widths[0]:][
+        :widths[1]]), np.zeros(widths[1]))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])  # dense MLPs; MoE shared experts
