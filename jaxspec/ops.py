@@ -37,6 +37,7 @@ gdn_inputs = gdn_ref.gdn_inputs
 rms_norm = attention_ref.rms_norm
 rope = attention_ref.rope
 rms_norm_gated = linear_ref.rms_norm_gated
+gate_columns = linear_ref.gate_columns  # gate [M, *] -> the [M, K] columns fused_linear's gate reads
 
 
 def write_kv(k_pages, v_pages, k, v, block_tables, start_pos, num_valid):
@@ -88,14 +89,15 @@ def conv_update(x, lines, weight, read_row, offset, write_row, has_state, num_va
                                implementation=kernels, interpret=_interpret())
 
 
-def fused_linear(x, w, norm=None, residual=None, *, gate=None, gate_at: int = 0, eps: float, zero_centered: bool,
-                 glu: bool, kernels: str):
+def fused_linear(x, w, norm=None, residual=None, *, gate=None, gate_at: int = 0, gate_layout=None, eps: float,
+                 zero_centered: bool, glu: bool, kernels: str):
     """x [M, K] @ w [K, N] with the RMSNorm (weight `norm`; with `gate`, the GDN's gated norm per group of
-    len(norm) channels, gated by gate [M, *]'s K columns from gate_at) before, and the SwiGLU of a packed
+    len(norm) channels, gated by gate [M, *]'s K columns from gate_at; with `gate` alone, x * sigmoid of
+    them; gate_layout (group, pitch): group columns of every pitch) before, and the SwiGLU of a packed
     [gate | up] w (`glu`) or `residual` added after; one launch with kernels="pallas" at a decode or
     verify step's rows."""
-    return linear_api.fused_linear(x, w, norm, residual, gate=gate, gate_at=gate_at, eps=eps,
-                                   zero_centered=zero_centered, glu=glu, implementation=kernels,
+    return linear_api.fused_linear(x, w, norm, residual, gate=gate, gate_at=gate_at, gate_layout=gate_layout,
+                                   eps=eps, zero_centered=zero_centered, glu=glu, implementation=kernels,
                                    interpret=_interpret())
 
 

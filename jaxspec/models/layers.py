@@ -53,11 +53,19 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
+# Whether the one-device Pallas path runs fused_projection as the fused_linear kernel. Off: on an
+# H200 the kernel took 1.4-3x XLA's gemm for the same projection, and a Qwen3.5-2B decode step's busy
+# time grew from 1.59 to 2.84 ms with it on (docs/benchmarks.md, "Fused projections on the H200"), so
+# the projections run as XLA's norm, gemm and epilogue until the kernel beats them.
+FUSED_KERNEL = False
+
+
 def fused_projection(x, w, cfg: ModelConfig, kernels: str, *, norm=None, gate=None, gate_at: int = 0,
-                     residual=None, glu: bool = False):
+                     gate_layout=None, residual=None, glu: bool = False):
     """x [..., K] @ w [K, N] with x's RMSNorm first (`norm`, the norm's weight; with `gate` [..., *], the
-    GDN's gated norm over groups of len(norm) channels, gated by gate's K columns from gate_at) and
-    after it the SwiGLU
+    GDN's gated norm over groups of len(norm) channels, gated by gate's K columns from gate_at; with
+    `gate` and no norm, attention's output gate x * sigmoid(those columns), gate_layout (group, pitch)
+    taking group columns of every pitch) and after it the SwiGLU
     of a packed [gate | up] w (`glu`) or `residual` [..., N] added, through `ops.fused_linear`: on the
     one-device Pallas path at a decode or verify step's rows, one kernel where XLA runs the norm, the
     gemm and the epilogue as three (docs/architecture.md, "Fused projections"). Under a mesh, the XLA
@@ -65,9 +73,9 @@ def fused_projection(x, w, cfg: ModelConfig, kernels: str, *, norm=None, gate=No
     rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
     maybe_rows = lambda a: None if a is None else rows(a)  # noqa: E731
     y = ops.fused_linear(rows(x), w, norm, maybe_rows(residual), gate=maybe_rows(gate), gate_at=gate_at,
-                         eps=cfg.rms_norm_eps,
+                         gate_layout=gate_layout, eps=cfg.rms_norm_eps,
                          zero_centered=cfg.zero_centered_norm, glu=glu,
-                         kernels=kernels if cfg.mesh is None else "xla")
+                         kernels=kernels if cfg.mesh is None and FUSED_KERNEL else "xla")
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -224,13 +232,19 @@ def residual_feed_forward(layer, cfg: ModelConfig, x, norm, live_columns: int | 
     return fused_projection(act, mlp_p["down"], cfg, kernels, residual=x)
 
 
-def _output_projection(o, p, name: str, cfg: ModelConfig, kernels: str, residual):
-    """The mixer's output projection p[name] of o, plus `residual` when given (one fused projection)."""
+def _output_projection(o, p, name: str, cfg: ModelConfig, kernels: str, residual, gate=None, gate_at: int = 0,
+                       gate_layout=None):
+    """The mixer's output projection p[name] of o, plus `residual` when given (one fused projection);
+    with `gate`, of o * sigmoid(gate's columns at gate_at, gate_layout), as fused_linear reads them."""
     bias = p.get(name + "_bias")
-    if residual is None or bias is not None:
+    if residual is None or bias is not None or cfg.mesh is not None:
+        if gate is not None:
+            z = ops.gate_columns(gate.reshape(-1, gate.shape[-1]), o.shape[-1], gate_at, gate_layout)
+            o = o * jax.nn.sigmoid(z.reshape(o.shape))
         y = linear(o, p[name], bias)
         return y if residual is None else residual + y
-    return fused_projection(o, p[name], cfg, kernels, residual=residual)
+    return fused_projection(o, p[name], cfg, kernels, gate=gate, gate_at=gate_at, gate_layout=gate_layout,
+                            residual=residual)
 
 
 def _cache_heads(x, cfg: ModelConfig):
@@ -280,8 +294,8 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None, no
     else:
         x = x if norm is None else rms_norm(x, norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
         qkv = _merged_qkv(p, x, kernels) if cfg.mesh is None else None
+    gate = None
     if cfg.mesh is None:
-        gate = qkv[..., :nH * q_stride].reshape(R, T, nH, q_stride)[..., D:] if cfg.attn_output_gate else None
         q, k_pages, v_pages = prologue(qkv, *norms, kv[0], kv[1], batch.block_tables, batch.start_pos,
                                        batch.num_valid, n_heads=nH, q_stride=q_stride)
     else:
@@ -302,9 +316,11 @@ def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None, no
                             (heads, kv_axes, kv_axes, None, None, None), heads)
     o = attend(q, k_pages, v_pages, batch.block_tables, batch.start_pos, batch.num_valid)
     o = o.reshape(R, T, nH * D)
-    if gate is not None:
-        o = o * jax.nn.sigmoid(gate.reshape(R, T, nH * D))
-    return _output_projection(o, p, "o", cfg, kernels, residual), (k_pages, v_pages)
+    if cfg.attn_output_gate and cfg.mesh is None:  # the gate read in place: D columns of every q_stride from D
+        gated = dict(gate=qkv, gate_at=D, gate_layout=(D, q_stride))
+    else:
+        gated = {} if gate is None else dict(gate=gate.reshape(R, T, nH * D))
+    return _output_projection(o, p, "o", cfg, kernels, residual, **gated), (k_pages, v_pages)
 
 
 def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kernels: str, norm=None,

@@ -16,8 +16,10 @@ x before the weights stream, and no normalised copy of x in memory. (The referen
 to x.dtype before its matmul; here x * g is rounded instead, the same one rounding at another
 point.) The GDN's gated output norm (`gate` given) normalises each group of len(norm) channels on
 its own, so there a slab is one group and the program applies the reference's norm to it exactly,
-gate included, before the dot. With `glu` the program reads the gate's and the up projection's column blocks of the
-packed [gate | up] weight and stores silu(gate) * up; with a residual it adds the residual's
+gate included, before the dot. With a gate and no norm (gated attention's output gate) each slab of
+x is multiplied by the sigmoid of its gate columns, found per channel from (group, pitch). With
+`glu` the program reads the gate's and the up projection's column blocks of the packed [gate | up]
+weight and stores silu(gate) * up; with a residual it adds the residual's
 block, each output rounded to x.dtype where the reference rounds it.
 
 K and N need not be powers of two (the tail slab / column block is masked); blocks are.
@@ -48,6 +50,9 @@ MAX_BLOCK_N = 64
 # Bytes of weights one pipeline stage of a program loads: enough in flight per SM to stream at the
 # bandwidth when there is about one program per SM.
 STAGE_BYTES = 16384
+# Shared memory the pipeline's buffers may take (an H200 SM has 227 KiB): with many rows the x slab
+# (and the gate's) outweighs the weights', so `pipeline_stages` trims the stages to fit.
+SHARED_BYTES = 200 * 1024
 
 
 def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = False) -> tuple[int, int, int]:
@@ -62,6 +67,14 @@ def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = Fa
     return block_m, max(MIN_DOT, min(block_k, pow2_at_least(k_dim))), block_n
 
 
+def pipeline_stages(num_stages: int, block_m: int, block_k: int, block_n: int, itemsize: int, *, glu: bool,
+                    has_gate: bool) -> int:
+    """num_stages, fewer where its buffers of one K slab (x, the gate's columns, the weight blocks) would
+    pass SHARED_BYTES; at least 1."""
+    slab = block_k * (block_m * (1 + has_gate) + block_n * (1 + glu)) * itemsize
+    return max(1, min(num_stages, SHARED_BYTES // slab))
+
+
 def gated_fits(group: int) -> bool:
     """Whether the kernel takes a gated norm over groups of `group` channels (one slab per group)."""
     return is_pow2(group) and group >= MIN_DOT
@@ -74,6 +87,8 @@ def _fused_kernel(
     has_norm: bool,
     has_gate: bool,
     gate_at: int,
+    gate_group: int,
+    gate_pitch: int,
     zero_centered: bool,
     glu: bool,
     has_residual: bool,
@@ -104,13 +119,17 @@ def _fused_kernel(
         k_ok = ks < k_dim
         x_mask = row_ok[:, None] & k_ok[None, :]
         xb = pltriton.load(x_ref.at[row[:, None], ks[None, :]], mask=x_mask, other=0.0)
-        if has_gate:  # one group per slab: rms_norm_gated's roundings
+        if has_gate:
+            z_cols = gate_at + ks // gate_group * gate_pitch + ks % gate_group
+            z = pltriton.load(z_ref.at[row[:, None], z_cols[None, :]], mask=x_mask, other=0.0).astype(jnp.float32)
+        if has_gate and has_norm:  # one group per slab: rms_norm_gated's roundings
             xf = xb.astype(jnp.float32)
             y = (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / block_k + eps)).astype(g_ref.dtype)
             y = pltriton.load(g_ref.at[slab])[None, :] * y
-            z = pltriton.load(z_ref.at[row[:, None], gate_at + ks[None, :]], mask=x_mask, other=0.0)
-            z = z.astype(jnp.float32)
             xb = (y.astype(jnp.float32) * jax.nn.silu(z)).astype(x_ref.dtype)
+        elif has_gate:  # the reference's roundings: sigmoid(z), then the product, each in x.dtype
+            sig = jax.nn.sigmoid(z).astype(x_ref.dtype).astype(jnp.float32)
+            xb = (xb.astype(jnp.float32) * sig).astype(x_ref.dtype)
         elif has_norm:
             xf = xb.astype(jnp.float32)
             squares = squares + jnp.sum(xf * xf, axis=1)
@@ -147,6 +166,7 @@ def fused_linear_pallas(
     *,
     gate: jax.Array | None = None,  # [M, *], its K columns from gate_at; norm: the gated norm's weight [G]
     gate_at: int = 0,
+    gate_layout: tuple[int, int] | None = None,  # (group, pitch) of the gate columns; None: contiguous
     eps: float = 1e-6,
     zero_centered: bool = False,
     glu: bool = False,
@@ -156,7 +176,7 @@ def fused_linear_pallas(
     blocks: tuple[int, int] | None = None,
 ) -> jax.Array:
     """reference.fused_linear in one kernel. blocks: (block_k, block_n), powers of two >= 16; None
-    picks `block_sizes` (with a gate, block_k is the norm's group, a power of two >= 16). Arguments are
+    picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16). Arguments are
     checked by api.py."""
     rows, k_dim = x.shape
     if rows > MAX_ROWS:
@@ -165,11 +185,13 @@ def fused_linear_pallas(
     block_m, block_k, block_n = block_sizes(rows, k_dim, n_out, x.dtype.itemsize, glu)
     if blocks is not None:
         block_k, block_n = blocks
-    if gate is not None:
+    if gate is not None and norm is not None:
         block_k = norm.shape[0]
         if not gated_fits(block_k):
             raise ValueError(f"a gated norm's group must be a power of two >= {MIN_DOT}; got {block_k}")
+    gate_group, gate_pitch = gate_layout or (k_dim, k_dim)
     kernel = functools.partial(_fused_kernel, has_norm=norm is not None, has_gate=gate is not None, gate_at=gate_at,
+                               gate_group=gate_group, gate_pitch=gate_pitch,
                                zero_centered=zero_centered, glu=glu,
                                has_residual=residual is not None, eps=eps, rows=rows, k_dim=k_dim, n_out=n_out,
                                block_m=block_m, block_k=block_k, block_n=block_n)
@@ -181,7 +203,8 @@ def fused_linear_pallas(
         in_specs=[whole(a.shape) for a in operands],
         out_specs=whole((rows, n_out)),
         out_shape=jax.ShapeDtypeStruct((rows, n_out), x.dtype),
-        compiler_params=triton_compiler_params(num_warps, num_stages),
+        compiler_params=triton_compiler_params(num_warps, pipeline_stages(
+            num_stages, block_m, block_k, block_n, x.dtype.itemsize, glu=glu, has_gate=gate is not None)),
         interpret=interpret,
         name="fused_linear",
     )

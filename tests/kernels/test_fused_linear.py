@@ -1,6 +1,7 @@
 """Fused projections (pallas_kernels/linear): the Pallas kernel and the XLA reference against a float64
 oracle, for every combination of the RMSNorm before (none, Qwen3's, the hybrids' zero-centred), the
-SwiGLU and the residual after, rows 1 .. 64, K and N that are not powers of two. Interpret mode on
+SwiGLU and the residual after, the GDN's gated norm and gated attention's sigmoid output gate before,
+rows 1 .. 64, K and N that are not powers of two. Interpret mode on
 CPU; the GPU class (`python -m pytest tests/kernels -k GPU`) runs the published projection shapes."""
 
 import jax
@@ -191,6 +192,49 @@ def test_gated_norm_must_fit_its_gate():
     assert api.fused_linear(x, w, g, r, gate=z, gate_at=16, implementation="pallas").shape == (4, 32)
 
 
+def check_output_gate(seed, rows, heads, head_dim, n_dim, extra, *, dtype, implementation="pallas", interpret=None):
+    """Gated attention's o projection: x [rows, heads * D] times sigmoid of the gate columns of a q
+    projection buffer whose heads are [q_h | gate_h] (gate_at D, layout (D, 2 D)), then + residual;
+    `extra` more columns (k, v) follow the heads in the buffer (0: the last gate ends the buffer)."""
+    rng = np.random.default_rng(seed)
+    k_dim = heads * head_dim
+    arrays = (rng.standard_normal((rows, k_dim)), rng.standard_normal((k_dim, n_dim)) / k_dim**0.5,
+              rng.standard_normal((rows, 2 * k_dim + extra)) * 2, rng.standard_normal((rows, n_dim)))
+    x, w, buf, r = (jnp.asarray(a, dtype) for a in arrays)
+    x64, w64, buf64, r64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w, buf, r))
+    got = api.fused_linear(x, w, None, r, gate=buf, gate_at=head_dim, gate_layout=(head_dim, 2 * head_dim),
+                           implementation=implementation, interpret=interpret)
+    z = buf64[:, :2 * k_dim].reshape(rows, heads, 2, head_dim)[:, :, 1].reshape(rows, k_dim)
+    want = oracle(x64 / (1 + np.exp(-z)), w64, None, r64, zero_centered=False, glu=False)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert rel_rms(got, want) < RTOL[dtype], rel_rms(got, want)
+
+
+# (rows, heads, head dim, N, columns after the heads): a decode step's two rows with the last gate
+# ending the buffer, a verify step's 8 with k / v columns after and an N tail, a head dim of 24 (a
+# K slab spans heads), 64 rows.
+OUTPUT_GATED = {"decode": (2, 4, 16, 48, 0), "verify": (8, 3, 32, 40, 64), "head_dim_24": (4, 4, 24, 32, 48),
+                "most_rows": (64, 2, 64, 32, 0)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("name", OUTPUT_GATED)
+def test_output_gate_before_the_projection(name, implementation, dtype):
+    check_output_gate(12, *OUTPUT_GATED[name], dtype=dtype, implementation=implementation)
+
+
+def test_output_gate_layout_is_checked():
+    x, w, buf = jnp.zeros((2, 64)), jnp.zeros((64, 8)), jnp.zeros((2, 128))
+    with pytest.raises(ValueError, match=r"group dividing K = 64; got \(24, 48\)"):
+        api.fused_linear(x, w, gate=buf, gate_layout=(24, 48), implementation="pallas")
+    with pytest.raises(ValueError, match=r"group <= pitch.*got \(32, 16\)"):
+        api.fused_linear(x, w, gate=buf, gate_layout=(32, 16), implementation="pallas")
+    with pytest.raises(ValueError, match=r"through column 128\); got gate \(2, 128\)"):
+        api.fused_linear(x, w, gate=buf, gate_at=33, gate_layout=(32, 64), implementation="pallas")
+    assert api.fused_linear(x, w, gate=buf, gate_at=32, gate_layout=(32, 64), implementation="pallas").shape == (2, 8)
+
+
 # Published projections (K, N, epilogue): Qwen3.5-2B's packed GDN input (norm), MLP (norm + SwiGLU, then
 # down + residual) and out projection; Qwen3-4B's o projection and MLP.
 PUBLISHED = {"2b_gdn_in": (2048, 8224, "norm"), "2b_gate_up": (2048, 12288, "zero_centered_glu"),
@@ -227,3 +271,15 @@ class TestPallasGPU:
         output (width, z offset); groups of 128."""
         k_dim, n_dim, width, z_at = layout
         check_gated(11, rows, k_dim, n_dim, 128, dtype=dtype, gate_at=z_at, width=width, interpret=False)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("name", OUTPUT_GATED)
+    def test_output_gate_small(self, name, dtype):
+        check_output_gate(13, *OUTPUT_GATED[name], dtype=dtype, interpret=False)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("rows", [2, 8, 64])
+    @pytest.mark.parametrize("layout", [(8, 256, 2048, 1024), (24, 256, 5120, 2048)])
+    def test_published_output_gated_o_projections(self, layout, rows, dtype):
+        """Qwen3.5-2B / 27B gated attention o projections (heads, D, N, the k / v columns after q)."""
+        check_output_gate(14, rows, *layout, dtype=dtype, interpret=False)

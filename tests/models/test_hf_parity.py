@@ -3,6 +3,8 @@ of every family must match (float32, CPU)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 
 import jaxspec
 from jaxspec.cache import cache_shapes
+from jaxspec.models import layers
 from jaxspec.models.model import StepBatch, forward
 from jaxspec.ops import resolve_kernels
 from pallas_kernels.linear import api as linear_api
@@ -121,12 +124,42 @@ def fused_projections_per_step(cfg) -> int:
     return gdn * len(cfg.gdn_layers) + attention * len(cfg.attention_layers) + 2 * cfg.mlp_kinds.count("dense")
 
 
+@contextlib.contextmanager
+def fused_kernel(on: bool):
+    """layers.FUSED_KERNEL set to `on` for the block; jit caches cleared on both sides, since the flag is
+    read when a step is traced."""
+    before = layers.FUSED_KERNEL
+    layers.FUSED_KERNEL = on
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        layers.FUSED_KERNEL = before
+        jax.clear_caches()
+
+
 @pytest.mark.parametrize("variant", PALLAS_VARIANTS)
 def test_projections_are_fused_at_a_verify_steps_rows(variant, jax_model):
-    """At a verify step's rows (2 x 4) every sublayer's projection runs with its norm and residual or
-    SwiGLU as one fused_linear kernel; past the kernel's rows (a prefill chunk of 2 x 33) XLA's gemm."""
+    """With the fused kernel on, at a verify step's rows (2 x 4) every sublayer's projection runs with
+    its norm and residual or SwiGLU as one fused_linear kernel; past the kernel's rows (a prefill chunk
+    of 2 x 33) XLA's gemm. Off (the default, docs/architecture.md "Fused projections"), none."""
     model, _ = jax_model(variant, kernels="pallas")
-    verify = model_step_pallas_calls(model, "pallas", "verify", 4, kernel="fused_linear")
-    assert verify == fused_projections_per_step(model.config), verify
-    T = linear_api.MAX_ROWS // 2 + 1
-    assert model_step_pallas_calls(model, "pallas", "prefill", T, kernel="fused_linear") == 0
+    assert model_step_pallas_calls(model, "pallas", "verify", 4, kernel="fused_linear") == 0
+    with fused_kernel(True):
+        verify = model_step_pallas_calls(model, "pallas", "verify", 4, kernel="fused_linear")
+        assert verify == fused_projections_per_step(model.config), verify
+        T = linear_api.MAX_ROWS // 2 + 1
+        assert model_step_pallas_calls(model, "pallas", "prefill", T, kernel="fused_linear") == 0
+
+
+@pytest.mark.parametrize("variant", ["qwen3-bias", "qwen3_5-gva2-d16"])
+def test_fused_kernel_matches_hf(variant, jax_model, hf_reference):
+    """The parity gates with the fused projection kernel on: norms, SwiGLU, residuals, the GDN's gated
+    norm and gated attention's output gate inside the projections (interpret mode on CPU)."""
+    model, _ = jax_model(variant, kernels="pallas")
+    hf_logits, hf_gens = hf_reference(variant)
+    ps = prompts(model.config.vocab_size)
+    with fused_kernel(True):
+        assert model_step_pallas_calls(model, "pallas", "verify", 4, kernel="fused_linear") > 0
+        assert rel_rms(jaxspec.score(model, ps[-1]), hf_logits) < 1e-4
+        assert jaxspec.generate(model, ps, max_new_tokens=NEW_TOKENS).token_ids == hf_gens
