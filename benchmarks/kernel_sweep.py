@@ -56,8 +56,8 @@ SMOKE_LINEAR = {"demo": {"gate_up": (64, 96, "glu"), "down": (48, 64, "residual"
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
              stages="2", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16", prefill_stages="1",
              f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
-             linear_block_n="16,32", linear_warps="4", linear_stages="3", reps=2, repeats=3, traced=1,
-             compile_threads=2, bandwidth_gib=1 / 32)
+             linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", reps=2, repeats=3,
+             traced=1, compile_threads=2, bandwidth_gib=1 / 32)
 
 
 def parse(argv=None):
@@ -86,6 +86,8 @@ def parse(argv=None):
     p.add_argument("--linear-block-n", default="16,32,64", help="linear: output columns per program")
     p.add_argument("--linear-warps", default="4", help="linear: warps per program")
     p.add_argument("--linear-stages", default="3,4", help="linear: Triton pipeline stages")
+    p.add_argument("--linear-weights", default="kn,nk",
+                   help="linear: weight layouts, kn ([K, N], the model's) and / or nk ([N, K], transposed)")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
     p.add_argument("--traced", type=int, default=3, help="calls inside the profile")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
@@ -162,8 +164,12 @@ def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
     block_ks = common.int_list(args.linear_block_k)
     if epilogue == "gated":  # one slab per norm group
         block_k, block_ks = GATE_GROUP, [GATE_GROUP]
-    default = (block_k, block_n, 4, 4)  # fused_linear_pallas' defaults (bfloat16)
-    axes = (block_ks, *(common.int_list(x) for x in (args.linear_block_n, args.linear_warps, args.linear_stages)))
+    default = (block_k, block_n, 4, 4, "kn")  # fused_linear_pallas' defaults (bfloat16)
+    weights = [w for w in args.linear_weights.split(",") if w]
+    if not weights or set(weights) - {"kn", "nk"}:
+        raise SystemExit(f"--linear-weights takes kn and / or nk; got {args.linear_weights!r}")
+    axes = (block_ks, *(common.int_list(x) for x in (args.linear_block_n, args.linear_warps, args.linear_stages)),
+            weights)
     return sorted(set(itertools.product(*axes)) | {default}) + [("xla",)], default
 
 
@@ -177,6 +183,8 @@ def _linear_inputs(rng, layout, rows: int, reps: int):
     n_out = n_dim // 2 if epilogue.startswith("glu") else n_dim
     per = [{"x": bf16(rows, k_dim), "w": bf16(k_dim, n_dim, scale=k_dim**-0.5), "r": bf16(rows, n_out),
             "z": bf16(rows, k_dim)} for _ in range(reps)]
+    for x in per:  # the same weights stored [N, K] (the nk configs)
+        x["w_nk"] = x["w"].T
     fixed = {"g": bf16(GATE_GROUP if epilogue == "gated" else k_dim, scale=0.1)}
     extra = {"residual": rows * n_out, "gated": rows * (n_out + k_dim)}.get(epilogue, 0)
     nbytes = {"floor": 2 * (k_dim * n_dim + rows * (k_dim + n_out) + extra)}
@@ -196,14 +204,15 @@ def _linear_fn(config, layout, reps: int, interpret: bool):
     if config == ("xla",):
         fn = functools.partial(reference.fused_linear, **kw)
     else:
-        block_k, block_n, warps, stages = config
+        block_k, block_n, warps, stages, weights = config
         fn = functools.partial(fused_linear_pallas, interpret=interpret, num_warps=warps, num_stages=stages,
-                               blocks=(block_k, block_n), **kw)
+                               blocks=(block_k, block_n), weight_nk=weights == "nk", **kw)
     residual = epilogue in ("residual", "gated")
+    w_name = "w_nk" if config[-1] == "nk" else "w"
 
     def run(state, per, fixed):
         del state
-        return [fn(x["x"], x["w"], None if epilogue == "residual" else fixed["g"], x["r"] if residual else None,
+        return [fn(x["x"], x[w_name], None if epilogue == "residual" else fixed["g"], x["r"] if residual else None,
                    gate=x["z"] if epilogue == "gated" else None) for x in per[:reps]]
 
     return jax.jit(run)
@@ -368,7 +377,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 def print_tables(res) -> None:
     fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps",
               "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
-              "linear": "block_k, block_n, warps, stages (or xla)"}
+              "linear": "block_k, block_n, warps, stages, weights kn / nk (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",

@@ -163,11 +163,11 @@ def test_kernel_sweep_smoke(smoke):
     # token tiles 4 / 8 x 64 channels, 4 warps; plus the default (8 tokens, 256 channels)
     conv = {tuple(r["config"]) for r in rows if r["kernel"] == "conv_prefill"}
     assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
-    # K slabs of 64 (the gated norm: its 128-channel group) x column blocks 16 / 32, 4 warps, 3 stages; the
-    # default (16 columns, 4 stages); XLA's ops
+    # K slabs of 64 (the gated norm: its 128-channel group) x column blocks 16 / 32, 4 warps, 3 stages, weights
+    # [K, N] and [N, K]; the default (16 columns, 4 stages, [K, N]); XLA's ops
     linear = {(r["layout"], tuple(r["config"])) for r in rows if r["kernel"] == "linear"}
-    want = {(64, 16, 4, 3), (64, 32, 4, 3), (64, 16, 4, 4), ("xla",)}
-    gated = {(128, 16, 4, 3), (128, 32, 4, 3), (128, 16, 4, 4), ("xla",)}
+    grid = lambda k: {(k, n, 4, 3, w) for n in (16, 32) for w in ("kn", "nk")} | {(k, 16, 4, 4, "kn"), ("xla",)}  # noqa: E731
+    want, gated = grid(64), grid(128)
     assert linear == ({(f"demo:{proj}", c) for proj in ("gate_up", "down") for c in want}
                       | {("demo:out", c) for c in gated}), linear
     assert sum(r["default"] for r in rows) == 8  # one default per (kernel, shape)

@@ -82,7 +82,7 @@ def gated_fits(group: int) -> bool:
 
 def _fused_kernel(
     x_ref,  # [M, K]
-    w_ref,  # [K, N]  (glu: [gate | up], N = 2 * n_out)
+    w_ref,  # [K, N]  (glu: [gate | up], N = 2 * n_out); weight_nk: [N, K]
     *refs,  # norm [K] (gated: [block_k]), gate [M, *], residual [M, n_out] (each when given), out [M, n_out]
     has_norm: bool,
     has_gate: bool,
@@ -92,6 +92,7 @@ def _fused_kernel(
     zero_centered: bool,
     glu: bool,
     has_residual: bool,
+    weight_nk: bool,
     eps: float,
     rows: int,
     k_dim: int,
@@ -137,10 +138,12 @@ def _fused_kernel(
             xb = (xf * (1.0 + g if zero_centered else g)[None, :]).astype(x_ref.dtype)
         new = []
         for acc, at in zip(accs, offsets, strict=True):
-            w_at = w_ref.at[ks[:, None], at + cols[None, :]]
-            wb = (pltriton.load(w_at, mask=k_ok[:, None] & col_ok[None, :], other=0.0) if k_tail or n_tail
-                  else w_at[...])
-            new.append(acc + dot(xb, wb, contract_b=0))
+            if weight_nk:  # a block of whole rows of K: block_n runs of block_k contiguous weights
+                w_at, w_mask = w_ref.at[at + cols[:, None], ks[None, :]], col_ok[:, None] & k_ok[None, :]
+            else:
+                w_at, w_mask = w_ref.at[ks[:, None], at + cols[None, :]], k_ok[:, None] & col_ok[None, :]
+            wb = pltriton.load(w_at, mask=w_mask, other=0.0) if k_tail or n_tail else w_at[...]
+            new.append(acc + dot(xb, wb, contract_b=1 if weight_nk else 0))
         return tuple(new), squares
 
     zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in offsets)
@@ -174,14 +177,19 @@ def fused_linear_pallas(
     num_warps: int = 4,
     num_stages: int = 4,
     blocks: tuple[int, int] | None = None,
+    weight_nk: bool = False,
 ) -> jax.Array:
     """reference.fused_linear in one kernel. blocks: (block_k, block_n), powers of two >= 16; None
-    picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16). Arguments are
-    checked by api.py."""
+    picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16).
+    weight_nk: w is stored transposed, [N, K] (HF's layout; glu: gate rows, then up rows), so a
+    program reads contiguous runs of K rather than of N (benchmarks/kernel_sweep.py times both).
+    Arguments are checked by api.py, which passes [K, N]."""
     rows, k_dim = x.shape
     if rows > MAX_ROWS:
         raise ValueError(f"fused_linear_pallas takes at most {MAX_ROWS} rows; got x {x.shape}")
-    n_out = output_columns(w.shape[1], glu)
+    if w.shape[1 if weight_nk else 0] != k_dim:
+        raise ValueError(f"w must be {'[N, K]' if weight_nk else '[K, N]'} with K = {k_dim}; got w {w.shape}")
+    n_out = output_columns(w.shape[0 if weight_nk else 1], glu)
     block_m, block_k, block_n = block_sizes(rows, k_dim, n_out, x.dtype.itemsize, glu)
     if blocks is not None:
         block_k, block_n = blocks
@@ -191,10 +199,9 @@ def fused_linear_pallas(
             raise ValueError(f"a gated norm's group must be a power of two >= {MIN_DOT}; got {block_k}")
     gate_group, gate_pitch = gate_layout or (k_dim, k_dim)
     kernel = functools.partial(_fused_kernel, has_norm=norm is not None, has_gate=gate is not None, gate_at=gate_at,
-                               gate_group=gate_group, gate_pitch=gate_pitch,
-                               zero_centered=zero_centered, glu=glu,
-                               has_residual=residual is not None, eps=eps, rows=rows, k_dim=k_dim, n_out=n_out,
-                               block_m=block_m, block_k=block_k, block_n=block_n)
+                               gate_group=gate_group, gate_pitch=gate_pitch, zero_centered=zero_centered, glu=glu,
+                               has_residual=residual is not None, weight_nk=weight_nk, eps=eps, rows=rows,
+                               k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k, block_n=block_n)
     operands = [a for a in (x, w, norm, gate, residual) if a is not None]
     whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     call = pl.pallas_call(

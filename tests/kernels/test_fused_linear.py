@@ -51,11 +51,18 @@ def rel_rms(got, want) -> float:
     return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
-def check(seed, rows, k_dim, n_dim, *, norm, glu, residual, dtype, implementation="pallas", interpret=None):
+def check(seed, rows, k_dim, n_dim, *, norm, glu, residual, dtype, implementation="pallas", interpret=None,
+          weight_nk: bool = False):
+    """weight_nk: the kernel itself (interpret as given) with the weight stored [N, K]."""
     args, as64 = case(seed, rows, k_dim, n_dim, norm=norm, glu=glu, residual=residual, dtype=dtype)
     zc = norm == "zero_centered"
-    got = api.fused_linear(*args, eps=EPS, zero_centered=zc, glu=glu, implementation=implementation,
-                           interpret=interpret)
+    if weight_nk:
+        x, w, g, r = args
+        got = fused_linear_pallas(x, w.T, g, r, eps=EPS, zero_centered=zc, glu=glu, weight_nk=True,
+                                  interpret=True if interpret is None else interpret)
+    else:
+        got = api.fused_linear(*args, eps=EPS, zero_centered=zc, glu=glu, implementation=implementation,
+                               interpret=interpret)
     want = oracle(*as64, zero_centered=zc, glu=glu)
     assert got.shape == want.shape and got.dtype == dtype
     assert rel_rms(got, want) < RTOL[dtype], rel_rms(got, want)
@@ -76,6 +83,20 @@ EPILOGUES = {"norm": dict(norm="scale", glu=False, residual=False),
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pallas_equals_the_oracle(shape, epilogue, dtype):
     check(1, *SHAPES[shape], dtype=dtype, **EPILOGUES[epilogue])
+
+
+@pytest.mark.parametrize("epilogue", ["norm", "zero_centered_glu", "all"])
+@pytest.mark.parametrize("shape", ["decode", "odd_dims"])
+def test_weights_stored_n_by_k_give_the_same_result(shape, epilogue):
+    """The kernel's [N, K] weight layout (glu: gate rows, then up rows), K and N tails included."""
+    check(2, *SHAPES[shape], dtype=jnp.float32, weight_nk=True, **EPILOGUES[epilogue])
+
+
+def test_weights_stored_n_by_k_are_checked():
+    x, w = jnp.zeros((2, 64)), jnp.zeros((64, 32))
+    with pytest.raises(ValueError, match=r"w must be \[N, K\] with K = 64; got w \(64, 32\)"):
+        fused_linear_pallas(x, w, weight_nk=True, interpret=True)
+    assert fused_linear_pallas(x, w.T, weight_nk=True, interpret=True).shape == (2, 32)
 
 
 @pytest.mark.parametrize("epilogue", ["zero_centered_glu", "all"])
@@ -256,6 +277,12 @@ class TestPallasGPU:
     def test_published_projections(self, name, rows, dtype):
         k_dim, n_dim, epilogue = PUBLISHED[name]
         check(6, rows, k_dim, n_dim, dtype=dtype, interpret=False, **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("rows", [2, 8])
+    @pytest.mark.parametrize("name", ["2b_gdn_in", "2b_gate_up", "2b_down"])
+    def test_published_projections_n_by_k(self, name, rows):
+        k_dim, n_dim, epilogue = PUBLISHED[name]
+        check(6, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, weight_nk=True, **EPILOGUES[epilogue])
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     @pytest.mark.parametrize("name", GATED)
