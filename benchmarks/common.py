@@ -282,6 +282,9 @@ def time_steps(call, *, warmup: int = 2, repeats: int = 5, pipeline: int = 8) ->
                calls, and (t(long) - t(short)) / (long - short) cancels the fill and drain.
     dispatch:  host time for call() to return (not waiting) in the long runs, the median per repeat.
                Near steady, the host (or a full launch queue) sets the pace rather than the device.
+    dispatch_idle: host time for the first call of each long run, enqueued on an idle device (the
+               previous run waited for its last result): the host's own cost per call, which a full
+               launch queue cannot inflate (it can make `dispatch` equal the step time).
     Each is the median of `repeats` samples, after `warmup` calls; pipeline = 0 times latency only."""
     for _ in range(warmup):
         block(call())
@@ -291,15 +294,17 @@ def time_steps(call, *, warmup: int = 2, repeats: int = 5, pipeline: int = 8) ->
         block(call())
         latency.append(time.perf_counter() - start)
     long = 5 * pipeline
-    piped, steady, dispatch = [], [], []
+    piped, steady, dispatch, idle = [], [], [], []
     for _ in range(repeats if pipeline > 0 else 0):
         short_s, _ = _pipeline(call, pipeline)
         long_s, calls = _pipeline(call, long)
         piped.append(short_s / pipeline)
         steady.append((long_s - short_s) / (long - pipeline))
         dispatch.append(median(calls))
+        idle.append(calls[0])
     return {"latency": _stats(latency), "pipelined": _stats(piped), "steady": _stats(steady),
-            "dispatch": _stats(dispatch), "repeats": repeats, "pipeline": pipeline, "pipeline_long": long,
+            "dispatch": _stats(dispatch), "dispatch_idle": _stats(idle), "repeats": repeats, "pipeline": pipeline,
+            "pipeline_long": long,
             "warmup": warmup}
 
 

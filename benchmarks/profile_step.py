@@ -12,7 +12,9 @@ weight-read floor means slow kernels. The raw trace stays in --trace-dir for Ten
 pipelined is 8 calls and one wait, so it still holds one call's dispatch and readback; steady is the
 per-call wall of a long loop (the slope between 8 and 40 calls, which cancels them): steady above
 device busy is the host overhead a long generation loop pays. dispatch is the host time for one
-call to return; near steady, the host sets the pace. --rows REGEX keeps only the matching steps.
+call to return; near steady, the host sets the pace, or a full launch queue makes each call wait for
+a slot (then dispatch_idle, a call enqueued on an idle device, in the JSON and log, is the host's own
+cost). --rows REGEX keeps only the matching steps.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def profile(call, args, name: str, trace_root: str, steps: int = 1) -> dict:
                if events else None)
     return {"step": name, "rounds_per_call": steps, "pipelined_ms": timing["pipelined"]["median_ms"] / steps,
             "steady_ms": timing["steady"]["median_ms"] / steps, "dispatch_ms": timing["dispatch"]["median_ms"] / steps,
+            "dispatch_idle_ms": timing["dispatch_idle"]["median_ms"] / steps,
             "latency_ms": timing["latency"]["median_ms"] / steps,
             "device_busy_ms": busy_ms, "device_span_ms": span_ms, "kernels_per_step": len(events) / per,
             "top": [{"name": n[:160], "ms_per_step": t / 1e6 / per, "calls_per_step": c / per}
@@ -253,7 +256,8 @@ def main(argv=None) -> int:
                 / bw["bytes_per_s"] * 1e3
         res.add(item)
         log(f"{label}: pipelined {item['pipelined_ms']:.3f} ms, steady {item['steady_ms']:.3f} ms, dispatch "
-            f"{item['dispatch_ms']:.3f} ms, device busy {fmt(item['device_busy_ms'], 3)} ms, "
+            f"{item['dispatch_ms']:.3f} ms (idle device {item['dispatch_idle_ms']:.3f}), "
+            f"device busy {fmt(item['device_busy_ms'], 3)} ms, "
             f"{item['kernels_per_step']:.0f} kernels")
     res.data.update(shape=name, layers=hf["num_hidden_layers"], batch=R, context=args.context, bandwidth=bw, matmul=mm,
                     kernels=eng.kernels, trace_dir=trace_root)

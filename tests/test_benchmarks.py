@@ -276,9 +276,29 @@ def test_time_steps_steady_cancels_fill_and_drain():
     t = common.time_steps(_FakeDevice(1e-3, 10e-3), warmup=1, repeats=5, pipeline=8)
     assert t["pipeline_long"] == 40 and t["latency"]["median_ms"] > 10
     assert t["pipelined"]["median_ms"] > 2.0 and 0.8 < t["steady"]["median_ms"] < 1.3
-    assert t["dispatch"]["median_ms"] < 0.5
+    assert t["dispatch"]["median_ms"] < 0.5 and t["dispatch_idle"]["median_ms"] < 0.5
     bare = common.time_steps(_FakeDevice(1e-4, 0.0), warmup=0, repeats=1, pipeline=0)
     assert bare["latency"] and bare["pipelined"] is bare["steady"] is bare["dispatch"] is None
+    assert bare["dispatch_idle"] is None
+
+
+class _QueuedDevice(_FakeDevice):
+    """A device whose launch queue holds `depth` calls: a call past it waits for a slot to free."""
+
+    def __init__(self, step_s: float, depth: int):
+        super().__init__(step_s, 0.0)
+        self.depth = depth
+
+    def __call__(self):
+        time.sleep(max(0.0, self.free_at - self.depth * self.step_s - time.perf_counter()))
+        return super().__call__()
+
+
+def test_dispatch_idle_is_the_hosts_cost_when_the_queue_is_full():
+    """With a 2-call queue and a 2 ms step, a long run's calls wait for queue slots (dispatch ~ the step);
+    the first call of each long run, on an idle device, returns at once."""
+    t = common.time_steps(_QueuedDevice(2e-3, 2), warmup=1, repeats=3, pipeline=8)
+    assert t["dispatch"]["median_ms"] > 1.5 and t["dispatch_idle"]["median_ms"] < 0.5, t
 
 
 def test_throughput_smoke(smoke):
