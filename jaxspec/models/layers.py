@@ -237,7 +237,7 @@ def _output_projection(o, p, name: str, cfg: ModelConfig, kernels: str, residual
     """The mixer's output projection p[name] of o, plus `residual` when given (one fused projection);
     with `gate`, of o * sigmoid(gate's columns at gate_at, gate_layout), as fused_linear reads them."""
     bias = p.get(name + "_bias")
-    if residual is None or bias is not None or cfg.mesh is not None:
+    if residual is None or bias is not None:
         if gate is not None:
             z = ops.gate_columns(gate.reshape(-1, gate.shape[-1]), o.shape[-1], gate_at, gate_layout)
             o = o * jax.nn.sigmoid(z.reshape(o.shape))
@@ -263,13 +263,10 @@ def _merged_qkv(p, x, kernels: str):
     path concatenates the three outputs instead: its reference splits them again, and a backend
     that does not fuse the weight concatenation into the matmul (XLA:CPU) would copy the weights on
     every call."""
-    parts = [(p[name], p.get(name + "_bias")) for name in ("q", "k", "v")]
     if kernels != "pallas":
-        return jnp.concatenate([linear(x, w, b) for w, b in parts], axis=-1)
-    w = jnp.concatenate([w for w, _ in parts], axis=1)
-    if all(b is None for _, b in parts):
-        return linear(x, w)
-    return linear(x, w, jnp.concatenate([jnp.zeros((wi.shape[1],), w.dtype) if b is None else b for wi, b in parts]))
+        return jnp.concatenate([linear(x, p[name], p.get(name + "_bias")) for name in packing.ATTN_PARTS], axis=-1)
+    packed = packing.pack_attention(p)  # traced: the concatenation XLA reads inside its gemm
+    return linear(x, packed[packing.ATTN_PACKED], packed.get(packing.ATTN_BIAS))
 
 
 def attention(p, cfg: ModelConfig, x, batch, kv, kernels: str, residual=None, norm=None):
