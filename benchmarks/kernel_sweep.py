@@ -3,9 +3,10 @@
 pipeline stages), the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
 "gdn_verify_mixed" the one the model runs, with the layer's glue inside), the GDN chunked prefill
 (chunk x V-block x warps x stages x float32 dot mode), the prefill's causal conv (token tile x
-channel block x warps) and the fused projection of a decode / verify step (K slab x column block x
-warps x stages, beside XLA's norm + gemm + epilogue), each config timed as pipelined wall per call
-and profiled for the GPU busy time of its own kernels, beside its bytes floor.
+channel block x warps) and the fused projection of a decode / verify step (K slab x column block
+x warps x stages x weight layout x split-K programs, beside XLA's norm + gemm + epilogue), each
+config timed as pipelined wall per call and profiled for the GPU busy time of its own kernels,
+beside its bytes floor.
 
 This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
 pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py and
@@ -56,8 +57,8 @@ SMOKE_LINEAR = {"demo": {"gate_up": (64, 96, "glu"), "down": (48, 64, "residual"
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
              stages="2", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16", prefill_stages="1",
              f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
-             linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", reps=2, repeats=3,
-             traced=1, compile_threads=2, bandwidth_gib=1 / 32)
+             linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", linear_splits="1,2",
+             reps=2, repeats=3, traced=1, compile_threads=2, bandwidth_gib=1 / 32)
 
 
 def parse(argv=None):
@@ -86,6 +87,8 @@ def parse(argv=None):
     p.add_argument("--linear-block-n", default="16,32,64", help="linear: output columns per program")
     p.add_argument("--linear-warps", default="4", help="linear: warps per program")
     p.add_argument("--linear-stages", default="3,4", help="linear: Triton pipeline stages")
+    p.add_argument("--linear-splits", default="1,4,8,16",
+                   help="linear: programs per column block splitting K (split-K; those dividing the K slabs)")
     p.add_argument("--linear-weights", default="kn,nk",
                    help="linear: weight layouts, kn ([K, N], the model's) and / or nk ([N, K], transposed)")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
@@ -160,17 +163,18 @@ def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
 
     k_dim, n_dim, epilogue = layout
     glu = epilogue.startswith("glu")
-    _, block_k, block_n = block_sizes(rows, k_dim, n_dim // 2 if glu else n_dim, 2, glu)
+    _, block_k, block_n, splits = block_sizes(rows, k_dim, n_dim // 2 if glu else n_dim, 2, glu)
     block_ks = common.int_list(args.linear_block_k)
     if epilogue == "gated":  # one slab per norm group
         block_k, block_ks = GATE_GROUP, [GATE_GROUP]
-    default = (block_k, block_n, 4, 4, "kn")  # fused_linear_pallas' defaults (bfloat16)
+    default = (block_k, block_n, 4, 4, "kn", splits)  # fused_linear_pallas' defaults (bfloat16)
     weights = [w for w in args.linear_weights.split(",") if w]
     if not weights or set(weights) - {"kn", "nk"}:
         raise SystemExit(f"--linear-weights takes kn and / or nk; got {args.linear_weights!r}")
     axes = (block_ks, *(common.int_list(x) for x in (args.linear_block_n, args.linear_warps, args.linear_stages)),
-            weights)
-    return sorted(set(itertools.product(*axes)) | {default}) + [("xla",)], default
+            weights, common.int_list(args.linear_splits))
+    grid = [c for c in itertools.product(*axes) if -(-k_dim // c[0]) % c[5] == 0]  # splits divide the K slabs
+    return sorted(set(grid) | {default}) + [("xla",)], default
 
 
 def _linear_inputs(rng, layout, rows: int, reps: int):
@@ -204,11 +208,11 @@ def _linear_fn(config, layout, reps: int, interpret: bool):
     if config == ("xla",):
         fn = functools.partial(reference.fused_linear, **kw)
     else:
-        block_k, block_n, warps, stages, weights = config
+        block_k, block_n, warps, stages, weights, splits = config
         fn = functools.partial(fused_linear_pallas, interpret=interpret, num_warps=warps, num_stages=stages,
-                               blocks=(block_k, block_n), weight_nk=weights == "nk", **kw)
+                               blocks=(block_k, block_n), weight_nk=weights == "nk", splits=splits, **kw)
     residual = epilogue in ("residual", "gated")
-    w_name = "w_nk" if config[-1] == "nk" else "w"
+    w_name = "w_nk" if config != ("xla",) and config[4] == "nk" else "w"
 
     def run(state, per, fixed):
         del state
@@ -377,7 +381,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 def print_tables(res) -> None:
     fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps",
               "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
-              "linear": "block_k, block_n, warps, stages, weights kn / nk (or xla)"}
+              "linear": "block_k, block_n, warps, stages, weights kn / nk, splits (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",

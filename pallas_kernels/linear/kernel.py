@@ -22,6 +22,13 @@ x is multiplied by the sigmoid of its gate columns, found per channel from (grou
 weight and stores silu(gate) * up; with a residual it adds the residual's
 block, each output rounded to x.dtype where the reference rounds it.
 
+With `splits` > 1 the K slabs are also divided among programs (split-K): program (j, s) walks the
+s-th run of slabs of column block j and stores its float32 partial sums (and, for the RMSNorm, the
+run's partial sum of squares), and a second kernel sums the runs and applies the same epilogue. At
+few rows a projection of few column blocks (an output projection of 2048 columns is 32 blocks of
+64) otherwise gives each SM one program that walks all of K slab by slab, and a weight stream with
+that little in flight runs at a fraction of the bandwidth (docs/benchmarks.md, "Fused projections").
+
 K and N need not be powers of two (the tail slab / column block is masked); blocks are.
 """
 
@@ -47,6 +54,9 @@ from pallas_kernels.triton_common import (
 # rows that the gemm is no longer a weight stream, and XLA's gemm runs it (api.py).
 MAX_ROWS = 64
 MAX_BLOCK_N = 64
+# Programs split-K aims for per SM: several one-slab programs resident per SM keep enough weight
+# loads in flight to stream, where one program per SM walking K slab by slab does not.
+PROGRAMS_PER_SM = 4
 # Bytes of weights one pipeline stage of a program loads: enough in flight per SM to stream at the
 # bandwidth when there is about one program per SM.
 STAGE_BYTES = 16384
@@ -55,16 +65,25 @@ STAGE_BYTES = 16384
 SHARED_BYTES = 200 * 1024
 
 
-def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = False) -> tuple[int, int, int]:
-    """(block_m, block_k, block_n): block_m covers the rows (>= 16); block_n is the widest power of
-    two up to 64 that still gives one program per SM (down to 16); block_k makes a stage's weight
-    slabs about STAGE_BYTES (at most K rounded up to a power of two)."""
+def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = False) -> tuple[int, int, int, int]:
+    """(block_m, block_k, block_n, splits): block_m covers the rows (>= 16); block_n is 64 columns
+    (fewer for a narrower N); block_k makes a stage's weight slabs about STAGE_BYTES (at most K
+    rounded up to a power of two); `split_count` divides the slabs among programs."""
     block_m = pow2_at_least(rows)
     block_n = min(MAX_BLOCK_N, pow2_at_least(n_out))
-    while block_n > MIN_DOT and -(-n_out // block_n) < device_sm_count():
-        block_n //= 2
-    block_k = STAGE_BYTES // (itemsize * block_n * (1 + glu))
-    return block_m, max(MIN_DOT, min(block_k, pow2_at_least(k_dim))), block_n
+    block_k = max(MIN_DOT, min(STAGE_BYTES // (itemsize * block_n * (1 + glu)), pow2_at_least(k_dim)))
+    return block_m, block_k, block_n, split_count(rows, k_dim, block_k, -(-n_out // block_n), itemsize)
+
+
+def split_count(rows: int, k_dim: int, block_k: int, column_blocks: int, itemsize: int) -> int:
+    """Programs per column block (split-K): the fewest, dividing the K slabs, that give
+    PROGRAMS_PER_SM programs per SM, and no more than keep the partial sums' float32 traffic (written
+    and read back) under an eighth of the weights' bytes; 1 where that cap allows no split."""
+    slabs = -(-k_dim // block_k)
+    most = max(1, k_dim * itemsize // (64 * rows))  # 2 * splits * rows * 4 bytes <= K * itemsize / 8 per column
+    divisors = [s for s in range(1, slabs + 1) if slabs % s == 0 and s <= most]
+    enough = [s for s in divisors if s * column_blocks >= PROGRAMS_PER_SM * device_sm_count()]
+    return enough[0] if enough else divisors[-1]
 
 
 def pipeline_stages(num_stages: int, block_m: int, block_k: int, block_n: int, itemsize: int, *, glu: bool,
@@ -80,10 +99,27 @@ def gated_fits(group: int) -> bool:
     return is_pow2(group) and group >= MIN_DOT
 
 
+def _finish(accs, squares, r_ref, o_ref, *, row, cols, row_ok, col_ok, scaled: bool, glu: bool,
+            has_residual: bool, eps: float, k_dim: int):
+    """The epilogue of a block of float32 sums: the RMSNorm's row scale (`scaled`), each projection
+    rounded as the reference's matmul, the SwiGLU, the residual add; stored to o_ref."""
+    if scaled:
+        scale = jax.lax.rsqrt(squares / k_dim + eps)[:, None]
+        accs = tuple(acc * scale for acc in accs)
+    out = [acc.astype(o_ref.dtype) for acc in accs]
+    y = (jax.nn.silu(out[0].astype(jnp.float32)) * out[1].astype(jnp.float32)).astype(o_ref.dtype) if glu else out[0]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if has_residual:
+        res = pltriton.load(r_ref.at[row[:, None], cols[None, :]], mask=mask, other=0.0)
+        y = (res.astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
+    pltriton.store(o_ref.at[row[:, None], cols[None, :]], y, mask=mask)
+
+
 def _fused_kernel(
     x_ref,  # [M, K]
     w_ref,  # [K, N]  (glu: [gate | up], N = 2 * n_out); weight_nk: [N, K]
-    *refs,  # norm [K] (gated: [block_k]), gate [M, *], residual [M, n_out] (each when given), out [M, n_out]
+    *refs,  # norm [K] (gated: [block_k]), gate [M, *], residual [M, n_out] (each when given), then the outputs:
+    #         out [M, n_out]; or, split (splits > 1), partial sums [splits * M, N] (and squares [splits * M])
     has_norm: bool,
     has_gate: bool,
     gate_at: int,
@@ -100,23 +136,26 @@ def _fused_kernel(
     block_m: int,
     block_k: int,
     block_n: int,
+    slabs_per_split: int,
+    split: bool,
 ):
     refs = list(refs)
     g_ref = refs.pop(0) if has_norm else None
     z_ref = refs.pop(0) if has_gate else None
     r_ref = refs.pop(0) if has_residual else None
-    (o_ref,) = refs
+    scaled = has_norm and not has_gate  # the RMSNorm's row scale, applied after the dot
     row = jnp.arange(block_m, dtype=jnp.int32)
     row_ok = row < rows
     slab = jnp.arange(block_k, dtype=jnp.int32)
     cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < n_out
+    first_slab = pl.program_id(1) * slabs_per_split
     k_tail, n_tail = k_dim % block_k != 0, n_out % block_n != 0
     offsets = (0, n_out) if glu else (0,)  # the up projection's columns follow the gate's
 
     def k_step(t, carry):
         accs, squares = carry
-        ks = t * block_k + slab
+        ks = (first_slab + t) * block_k + slab
         k_ok = ks < k_dim
         x_mask = row_ok[:, None] & k_ok[None, :]
         xb = pltriton.load(x_ref.at[row[:, None], ks[None, :]], mask=x_mask, other=0.0)
@@ -147,18 +186,47 @@ def _fused_kernel(
         return tuple(new), squares
 
     zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in offsets)
-    accs, squares = jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step,
-                                      (zeros, jnp.zeros((block_m,), jnp.float32)))
-    if has_norm and not has_gate:
-        scale = jax.lax.rsqrt(squares / k_dim + eps)[:, None]
-        accs = tuple(acc * scale for acc in accs)
-    out = [acc.astype(o_ref.dtype) for acc in accs]  # each projection rounded, as the reference's matmul
-    y = (jax.nn.silu(out[0].astype(jnp.float32)) * out[1].astype(jnp.float32)).astype(o_ref.dtype) if glu else out[0]
+    accs, squares = jax.lax.fori_loop(0, slabs_per_split, k_step, (zeros, jnp.zeros((block_m,), jnp.float32)))
+    if not split:
+        (o_ref,) = refs
+        _finish(accs, squares, r_ref, o_ref, row=row, cols=cols, row_ok=row_ok, col_ok=col_ok, scaled=scaled,
+                glu=glu, has_residual=has_residual, eps=eps, k_dim=k_dim)
+        return
+    part_ref = refs[0]
+    at_rows = pl.program_id(1) * rows + row  # this split's rows of the partial sums
+    for acc, at in zip(accs, offsets, strict=True):
+        pltriton.store(part_ref.at[at_rows[:, None], at + cols[None, :]], acc, mask=row_ok[:, None] & col_ok[None, :])
+    if scaled:  # every column block sums the same squares: the first stores them
+
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            pltriton.store(refs[1].at[at_rows], squares, mask=row_ok)
+
+
+def _combine_kernel(part_ref, *refs, splits: int, scaled: bool, glu: bool, has_residual: bool, eps: float,
+                    rows: int, k_dim: int, n_out: int, block_m: int, block_n: int):
+    """Split-K's second pass: sum the splits' partial sums (and squares) of one column block, then the
+    same epilogue as the one-pass kernel."""
+    refs = list(refs)
+    sq_ref = refs.pop(0) if scaled else None
+    r_ref = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
+    row = jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = row < rows
+    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    col_ok = cols < n_out
     mask = row_ok[:, None] & col_ok[None, :]
-    if has_residual:
-        res = pltriton.load(r_ref.at[row[:, None], cols[None, :]], mask=mask, other=0.0)
-        y = (res.astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
-    pltriton.store(o_ref.at[row[:, None], cols[None, :]], y, mask=mask)
+    accs = [jnp.zeros((block_m, block_n), jnp.float32) for _ in range(1 + glu)]
+    squares = jnp.zeros((block_m,), jnp.float32)
+    for s in range(splits):
+        at_rows = s * rows + row
+        for i in range(len(accs)):
+            accs[i] = accs[i] + pltriton.load(part_ref.at[at_rows[:, None], i * n_out + cols[None, :]], mask=mask,
+                                              other=0.0)
+        if scaled:
+            squares = squares + pltriton.load(sq_ref.at[at_rows], mask=row_ok, other=0.0)
+    _finish(tuple(accs), squares, r_ref, o_ref, row=row, cols=cols, row_ok=row_ok, col_ok=col_ok, scaled=scaled,
+            glu=glu, has_residual=has_residual, eps=eps, k_dim=k_dim)
 
 
 def fused_linear_pallas(
@@ -178,11 +246,15 @@ def fused_linear_pallas(
     num_stages: int = 4,
     blocks: tuple[int, int] | None = None,
     weight_nk: bool = False,
+    splits: int | None = None,
 ) -> jax.Array:
     """reference.fused_linear in one kernel. blocks: (block_k, block_n), powers of two >= 16; None
     picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16).
     weight_nk: w is stored transposed, [N, K] (HF's layout; glu: gate rows, then up rows), so a
     program reads contiguous runs of K rather than of N (benchmarks/kernel_sweep.py times both).
+    splits: programs per column block, each walking an equal run of the K slabs (split-K; it must
+    divide the slab count), their partial sums added by a second kernel that runs the epilogue;
+    None: `split_count`'s (for the blocks used); 1: one pass, the epilogue in the same kernel.
     Arguments are checked by api.py, which passes [K, N]."""
     rows, k_dim = x.shape
     if rows > MAX_ROWS:
@@ -190,30 +262,61 @@ def fused_linear_pallas(
     if w.shape[1 if weight_nk else 0] != k_dim:
         raise ValueError(f"w must be {'[N, K]' if weight_nk else '[K, N]'} with K = {k_dim}; got w {w.shape}")
     n_out = output_columns(w.shape[0 if weight_nk else 1], glu)
-    block_m, block_k, block_n = block_sizes(rows, k_dim, n_out, x.dtype.itemsize, glu)
+    block_m, block_k, block_n, _ = block_sizes(rows, k_dim, n_out, x.dtype.itemsize, glu)
     if blocks is not None:
         block_k, block_n = blocks
     if gate is not None and norm is not None:
         block_k = norm.shape[0]
         if not gated_fits(block_k):
             raise ValueError(f"a gated norm's group must be a power of two >= {MIN_DOT}; got {block_k}")
+    if splits is None:
+        splits = split_count(rows, k_dim, block_k, pl.cdiv(n_out, block_n), x.dtype.itemsize)
+    slabs = pl.cdiv(k_dim, block_k)
+    if splits < 1 or slabs % splits:
+        raise ValueError(f"splits must be a divisor of the {slabs} K slabs ({k_dim} / {block_k}); got {splits}")
+    split = splits > 1
+    scaled = norm is not None and gate is None
     gate_group, gate_pitch = gate_layout or (k_dim, k_dim)
     kernel = functools.partial(_fused_kernel, has_norm=norm is not None, has_gate=gate is not None, gate_at=gate_at,
                                gate_group=gate_group, gate_pitch=gate_pitch, zero_centered=zero_centered, glu=glu,
-                               has_residual=residual is not None, weight_nk=weight_nk, eps=eps, rows=rows,
-                               k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k, block_n=block_n)
-    operands = [a for a in (x, w, norm, gate, residual) if a is not None]
-    whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
+                               has_residual=residual is not None and not split, weight_nk=weight_nk, eps=eps,
+                               rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k,
+                               block_n=block_n, slabs_per_split=slabs // splits, split=split)
+    operands = [a for a in (x, w, norm, gate, None if split else residual) if a is not None]
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((rows, n_out), x.dtype)]
+    if split:
+        out_shape = [jax.ShapeDtypeStruct((splits * rows, n_out * (1 + glu)), jnp.float32)]
+        out_shape += [jax.ShapeDtypeStruct((splits * rows,), jnp.float32)] if scaled else []
+    stages = pipeline_stages(min(num_stages, slabs // splits), block_m, block_k, block_n, x.dtype.itemsize,
+                             glu=glu, has_gate=gate is not None)
     call = pl.pallas_call(
         kernel,
+        grid=(pl.cdiv(n_out, block_n), splits),
+        in_specs=[whole(a.shape) for a in operands],
+        out_specs=[whole(o.shape) for o in out_shape],
+        out_shape=out_shape,
+        compiler_params=triton_compiler_params(num_warps, stages),
+        interpret=interpret,
+        name="fused_linear",
+    )
+    with ignore_triton_deprecation():
+        outs = call(*operands)
+    if not split:
+        return outs[0]
+    combine = functools.partial(_combine_kernel, splits=splits, scaled=scaled, glu=glu,
+                                has_residual=residual is not None, eps=eps, rows=rows, k_dim=k_dim, n_out=n_out,
+                                block_m=block_m, block_n=block_n)
+    operands = [*outs, *([] if residual is None else [residual])]
+    call = pl.pallas_call(
+        combine,
         grid=(pl.cdiv(n_out, block_n),),
         in_specs=[whole(a.shape) for a in operands],
         out_specs=whole((rows, n_out)),
         out_shape=jax.ShapeDtypeStruct((rows, n_out), x.dtype),
-        compiler_params=triton_compiler_params(num_warps, pipeline_stages(
-            num_stages, block_m, block_k, block_n, x.dtype.itemsize, glu=glu, has_gate=gate is not None)),
+        compiler_params=triton_compiler_params(num_warps, 1),
         interpret=interpret,
-        name="fused_linear",
+        name="fused_linear_combine",
     )
     with ignore_triton_deprecation():
         return call(*operands)

@@ -1,7 +1,7 @@
 """Fused projections (pallas_kernels/linear): the Pallas kernel and the XLA reference against a float64
 oracle, for every combination of the RMSNorm before (none, Qwen3's, the hybrids' zero-centred), the
 SwiGLU and the residual after, the GDN's gated norm and gated attention's sigmoid output gate before,
-rows 1 .. 64, K and N that are not powers of two. Interpret mode on
+rows 1 .. 64, K and N that are not powers of two, one pass and split-K. Interpret mode on
 CPU; the GPU class (`python -m pytest tests/kernels -k GPU`) runs the published projection shapes."""
 
 import jax
@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear import api
-from pallas_kernels.linear.kernel import MAX_ROWS, STAGE_BYTES, block_sizes, fused_linear_pallas
+from pallas_kernels.linear.kernel import (
+    MAX_ROWS,
+    PROGRAMS_PER_SM,
+    STAGE_BYTES,
+    block_sizes,
+    fused_linear_pallas,
+    split_count,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 # As tests/kernels/test_moe_kernel.py: float32 within Triton's float32 dots' error over K products,
@@ -52,13 +59,15 @@ def rel_rms(got, want) -> float:
 
 
 def check(seed, rows, k_dim, n_dim, *, norm, glu, residual, dtype, implementation="pallas", interpret=None,
-          weight_nk: bool = False):
-    """weight_nk: the kernel itself (interpret as given) with the weight stored [N, K]."""
+          weight_nk: bool = False, splits: int | None = None, blocks=None):
+    """weight_nk / splits / blocks: the kernel itself (interpret as given) with the weight stored [N, K]
+    / K split among that many programs / those (block_k, block_n)."""
     args, as64 = case(seed, rows, k_dim, n_dim, norm=norm, glu=glu, residual=residual, dtype=dtype)
     zc = norm == "zero_centered"
-    if weight_nk:
+    if weight_nk or splits is not None or blocks is not None:
         x, w, g, r = args
-        got = fused_linear_pallas(x, w.T, g, r, eps=EPS, zero_centered=zc, glu=glu, weight_nk=True,
+        got = fused_linear_pallas(x, w.T if weight_nk else w, g, r, eps=EPS, zero_centered=zc, glu=glu,
+                                  weight_nk=weight_nk, splits=splits, blocks=blocks,
                                   interpret=True if interpret is None else interpret)
     else:
         got = api.fused_linear(*args, eps=EPS, zero_centered=zc, glu=glu, implementation=implementation,
@@ -122,20 +131,50 @@ def test_swept_blocks_agree_with_the_default():
         assert rel_rms(got, want) < RTOL[jnp.float32], blocks
 
 
-def test_block_sizes_give_one_program_per_sm():
-    """The widest column block with at least one program per SM, stage slabs of STAGE_BYTES (132 SMs
-    off the GPU, as an H200)."""
+@pytest.mark.parametrize("weight_nk", [False, True])
+@pytest.mark.parametrize("epilogue", ["norm", "zero_centered_glu", "residual", "all"])
+@pytest.mark.parametrize("shape, splits", [("decode", 2), ("decode", 4), ("odd_dims", 5), ("verify", 8)])
+def test_split_k_gives_the_oracle(shape, splits, epilogue, weight_nk):
+    """K split among programs (16-wide slabs: 4, 5 and 8 of them), the partial sums and the norm's
+    squares added by the second kernel, which runs the epilogue; K and N tails masked."""
+    check(13, *SHAPES[shape], dtype=jnp.float32, weight_nk=weight_nk, splits=splits, blocks=(16, 16),
+          **EPILOGUES[epilogue])
+
+
+def test_split_k_in_bfloat16():
+    check(14, *SHAPES["verify"], dtype=jnp.bfloat16, splits=4, blocks=(32, 32), **EPILOGUES["all"])
+
+
+def test_splits_must_divide_the_k_slabs():
+    x, w = jnp.zeros((2, 64)), jnp.zeros((64, 32))
+    with pytest.raises(ValueError, match=r"divisor of the 4 K slabs \(64 / 16\); got 3"):
+        fused_linear_pallas(x, w, blocks=(16, 16), splits=3, interpret=True)
+    with pytest.raises(ValueError, match="got 0"):
+        fused_linear_pallas(x, w, blocks=(16, 16), splits=0, interpret=True)
+    assert fused_linear_pallas(x, w, blocks=(16, 16), splits=4, interpret=True).shape == (2, 32)
+
+
+def test_block_sizes_fill_the_gpu_with_split_k():
+    """64-column blocks, stage slabs of STAGE_BYTES, and the fewest splits dividing the K slabs that
+    give PROGRAMS_PER_SM programs per SM (132 SMs off the GPU, as an H200), unless the partial sums'
+    traffic would pass an eighth of the weights' bytes (64 rows: one pass)."""
     from pallas_kernels.triton_common import device_sm_count
 
-    sms = device_sm_count()
+    target = PROGRAMS_PER_SM * device_sm_count()
     for rows, k_dim, n_out, itemsize, glu in ((2, 2048, 8224, 2, False), (2, 2048, 6144, 2, True),
-                                            (8, 6144, 2048, 2, False), (64, 9728, 2560, 4, False)):
-        m, k, n = block_sizes(rows, k_dim, n_out, itemsize, glu)
-        assert m == max(16, rows) and n in (16, 32, 64)
-        assert -(-n_out // n) >= sms or n == 16, (n_out, n)
-        assert n == 64 or -(-n_out // (2 * n)) < sms, (n_out, n)  # the next wider block has too few programs
-        assert k * n * itemsize * (1 + glu) == STAGE_BYTES
-    assert block_sizes(64, 24, 40, 4) == (64, 32, 16)  # K under a slab: one slab of K rounded up
+                                            (8, 6144, 2048, 2, False), (2, 2048, 2048, 2, False),
+                                            (2, 9728, 2560, 2, False)):
+        m, k, n, splits = block_sizes(rows, k_dim, n_out, itemsize, glu)
+        assert (m, n) == (16, 64) and k * n * itemsize * (1 + glu) == STAGE_BYTES
+        slabs, blocks = -(-k_dim // k), -(-n_out // n)
+        assert slabs % splits == 0 and 2 * splits * rows * 4 <= k_dim * itemsize / 8
+        smaller = [s for s in range(1, splits) if slabs % s == 0]
+        assert splits * blocks >= target or splits == max(s for s in range(1, slabs + 1) if slabs % s == 0
+                                                          and 2 * s * rows * 4 <= k_dim * itemsize / 8)
+        assert all(s * blocks < target for s in smaller), (k_dim, n_out, splits)
+    assert block_sizes(64, 2048, 2048, 2)[3] == 1  # 64 rows: the partial sums would outweigh the split
+    assert block_sizes(64, 24, 40, 4) == (64, 32, 64, 1)  # K under a slab: one slab of K rounded up
+    assert split_count(2, 2048, 128, 1000, 2) == 1  # enough column blocks already
 
 
 def test_bad_arguments_are_refused_naming_them():
@@ -169,11 +208,15 @@ def gated_case(seed, rows, k_dim, n_dim, group, *, dtype, gate_at=0, width=None)
 
 
 def check_gated(seed, rows, k_dim, n_dim, group, *, dtype, gate_at=0, width=None, interpret=None,
-                implementation="pallas"):
+                implementation="pallas", splits: int | None = None):
     (x, w, g, z, r), (x64, w64, g64, z64, r64) = gated_case(seed, rows, k_dim, n_dim, group, dtype=dtype,
                                                             gate_at=gate_at, width=width)
-    got = api.fused_linear(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, implementation=implementation,
-                           interpret=interpret)
+    if splits is not None:
+        got = fused_linear_pallas(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, splits=splits,
+                                  interpret=True if interpret is None else interpret)
+    else:
+        got = api.fused_linear(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, implementation=implementation,
+                               interpret=interpret)
     want = oracle(x64, w64, g64, r64, zero_centered=False, glu=False, gate=z64[:, gate_at:gate_at + k_dim])
     assert got.shape == want.shape and got.dtype == dtype
     assert rel_rms(got, want) < RTOL[dtype], rel_rms(got, want)
@@ -192,6 +235,13 @@ def test_gated_norm_before_the_projection(name, implementation, dtype):
     rows, k_dim, n_dim, group, gate_at, width = GATED[name]
     check_gated(7, rows, k_dim, n_dim, group, dtype=dtype, gate_at=gate_at, width=width,
                 implementation=implementation)
+
+
+@pytest.mark.parametrize("name, splits", [("in_place", 2), ("in_place", 4), ("own_buffer", 3)])
+def test_gated_norm_with_split_k(name, splits):
+    """One norm group per slab, the slabs of each column block split among programs."""
+    rows, k_dim, n_dim, group, gate_at, width = GATED[name]
+    check_gated(15, rows, k_dim, n_dim, group, dtype=jnp.float32, gate_at=gate_at, width=width, splits=splits)
 
 
 def test_gated_norm_groups_the_kernel_cannot_tile_run_the_reference():
@@ -213,7 +263,8 @@ def test_gated_norm_must_fit_its_gate():
     assert api.fused_linear(x, w, g, r, gate=z, gate_at=16, implementation="pallas").shape == (4, 32)
 
 
-def check_output_gate(seed, rows, heads, head_dim, n_dim, extra, *, dtype, implementation="pallas", interpret=None):
+def check_output_gate(seed, rows, heads, head_dim, n_dim, extra, *, dtype, implementation="pallas", interpret=None,
+                      splits: int | None = None):
     """Gated attention's o projection: x [rows, heads * D] times sigmoid of the gate columns of a q
     projection buffer whose heads are [q_h | gate_h] (gate_at D, layout (D, 2 D)), then + residual;
     `extra` more columns (k, v) follow the heads in the buffer (0: the last gate ends the buffer)."""
@@ -223,8 +274,12 @@ def check_output_gate(seed, rows, heads, head_dim, n_dim, extra, *, dtype, imple
               rng.standard_normal((rows, 2 * k_dim + extra)) * 2, rng.standard_normal((rows, n_dim)))
     x, w, buf, r = (jnp.asarray(a, dtype) for a in arrays)
     x64, w64, buf64, r64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w, buf, r))
-    got = api.fused_linear(x, w, None, r, gate=buf, gate_at=head_dim, gate_layout=(head_dim, 2 * head_dim),
-                           implementation=implementation, interpret=interpret)
+    kw = dict(gate=buf, gate_at=head_dim, gate_layout=(head_dim, 2 * head_dim))
+    if splits is not None:
+        got = fused_linear_pallas(x, w, None, r, blocks=(16, 16), splits=splits,
+                                  interpret=True if interpret is None else interpret, **kw)
+    else:
+        got = api.fused_linear(x, w, None, r, implementation=implementation, interpret=interpret, **kw)
     z = buf64[:, :2 * k_dim].reshape(rows, heads, 2, head_dim)[:, :, 1].reshape(rows, k_dim)
     want = oracle(x64 / (1 + np.exp(-z)), w64, None, r64, zero_centered=False, glu=False)
     assert got.shape == want.shape and got.dtype == dtype
@@ -243,6 +298,11 @@ OUTPUT_GATED = {"decode": (2, 4, 16, 48, 0), "verify": (8, 3, 32, 40, 64), "head
 @pytest.mark.parametrize("name", OUTPUT_GATED)
 def test_output_gate_before_the_projection(name, implementation, dtype):
     check_output_gate(12, *OUTPUT_GATED[name], dtype=dtype, implementation=implementation)
+
+
+@pytest.mark.parametrize("name, splits", [("verify", 6), ("head_dim_24", 3)])
+def test_output_gate_with_split_k(name, splits):
+    check_output_gate(16, *OUTPUT_GATED[name], dtype=jnp.float32, splits=splits)
 
 
 def test_output_gate_layout_is_checked():
@@ -277,6 +337,13 @@ class TestPallasGPU:
     def test_published_projections(self, name, rows, dtype):
         k_dim, n_dim, epilogue = PUBLISHED[name]
         check(6, rows, k_dim, n_dim, dtype=dtype, interpret=False, **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("rows", [2, 8])
+    @pytest.mark.parametrize("name", PUBLISHED)
+    def test_published_projections_one_pass(self, name, rows):
+        """splits=1 (the defaults split K at these rows): the epilogue in the same kernel."""
+        k_dim, n_dim, epilogue = PUBLISHED[name]
+        check(6, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, splits=1, **EPILOGUES[epilogue])
 
     @pytest.mark.parametrize("rows", [2, 8])
     @pytest.mark.parametrize("name", ["2b_gdn_in", "2b_gate_up", "2b_down"])
