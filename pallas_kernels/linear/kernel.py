@@ -53,25 +53,29 @@ from pallas_kernels.triton_common import (
 # Rows (M) the kernel takes: one row block of at most this many. Past it a projection has enough
 # rows that the gemm is no longer a weight stream, and XLA's gemm runs it (api.py).
 MAX_ROWS = 64
-MAX_BLOCK_N = 64
-# Programs split-K aims for per SM: several one-slab programs resident per SM keep enough weight
-# loads in flight to stream, where one program per SM walking K slab by slab does not.
-PROGRAMS_PER_SM = 4
-# Bytes of weights one pipeline stage of a program loads: enough in flight per SM to stream at the
-# bandwidth when there is about one program per SM.
-STAGE_BYTES = 16384
+# Column blocks: 128 columns for a wide projection (at least WIDE_COLUMNS_PER_SM per SM, so a
+# 2048-column one keeps 64), K slabs of 128 rows, and split-K to about one program per SM: the best
+# [K, N] configs of the H100 sweep of every Qwen3.5-2B projection at 2 rows (docs/benchmarks.md,
+# "Split-K fused projections").
+WIDE_BLOCK_N = 128
+NARROW_BLOCK_N = 64
+WIDE_COLUMNS_PER_SM = 32
+BLOCK_K = 128
+PROGRAMS_PER_SM = 1
 # Shared memory the pipeline's buffers may take (an H200 SM has 227 KiB): with many rows the x slab
 # (and the gate's) outweighs the weights', so `pipeline_stages` trims the stages to fit.
 SHARED_BYTES = 200 * 1024
 
 
 def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = False) -> tuple[int, int, int, int]:
-    """(block_m, block_k, block_n, splits): block_m covers the rows (>= 16); block_n is 64 columns
-    (fewer for a narrower N); block_k makes a stage's weight slabs about STAGE_BYTES (at most K
-    rounded up to a power of two); `split_count` divides the slabs among programs."""
+    """(block_m, block_k, block_n, splits): block_m covers the rows (>= 16); block_n is WIDE_BLOCK_N
+    columns where N has WIDE_COLUMNS_PER_SM per SM, else NARROW_BLOCK_N (fewer for a narrower N);
+    block_k is BLOCK_K (at most K rounded up to a power of two); `split_count` divides the slabs among
+    programs."""
     block_m = pow2_at_least(rows)
-    block_n = min(MAX_BLOCK_N, pow2_at_least(n_out))
-    block_k = max(MIN_DOT, min(STAGE_BYTES // (itemsize * block_n * (1 + glu)), pow2_at_least(k_dim)))
+    wide = n_out >= WIDE_COLUMNS_PER_SM * device_sm_count()
+    block_n = WIDE_BLOCK_N if wide else min(NARROW_BLOCK_N, pow2_at_least(n_out))
+    block_k = max(MIN_DOT, min(BLOCK_K, pow2_at_least(k_dim)))
     return block_m, block_k, block_n, split_count(rows, k_dim, block_k, -(-n_out // block_n), itemsize)
 
 

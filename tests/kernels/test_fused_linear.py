@@ -11,9 +11,10 @@ import pytest
 
 from pallas_kernels.linear import api
 from pallas_kernels.linear.kernel import (
+    BLOCK_K,
     MAX_ROWS,
     PROGRAMS_PER_SM,
-    STAGE_BYTES,
+    WIDE_BLOCK_N,
     block_sizes,
     fused_linear_pallas,
     split_count,
@@ -155,23 +156,24 @@ def test_splits_must_divide_the_k_slabs():
 
 
 def test_block_sizes_fill_the_gpu_with_split_k():
-    """64-column blocks, stage slabs of STAGE_BYTES, and the fewest splits dividing the K slabs that
-    give PROGRAMS_PER_SM programs per SM (132 SMs off the GPU, as an H200), unless the partial sums'
-    traffic would pass an eighth of the weights' bytes (64 rows: one pass)."""
+    """128-column blocks for a wide projection, 64 for a narrow one, K slabs of BLOCK_K, and the
+    fewest splits dividing the K slabs that give PROGRAMS_PER_SM programs per SM (132 SMs off the
+    GPU, as an H200), unless the partial sums' traffic would pass an eighth of the weights' bytes."""
     from pallas_kernels.triton_common import device_sm_count
 
     target = PROGRAMS_PER_SM * device_sm_count()
-    for rows, k_dim, n_out, itemsize, glu in ((2, 2048, 8224, 2, False), (2, 2048, 6144, 2, True),
-                                            (8, 6144, 2048, 2, False), (2, 2048, 2048, 2, False),
-                                            (2, 9728, 2560, 2, False)):
-        m, k, n, splits = block_sizes(rows, k_dim, n_out, itemsize, glu)
-        assert (m, n) == (16, 64) and k * n * itemsize * (1 + glu) == STAGE_BYTES
+    for rows, k_dim, n_out, glu, block_n in ((2, 2048, 8224, False, WIDE_BLOCK_N), (2, 2048, 6144, True, WIDE_BLOCK_N),
+                                             (8, 6144, 2048, False, 64), (2, 2048, 2048, False, 64),
+                                             (2, 9728, 2560, False, 64)):
+        m, k, n, splits = block_sizes(rows, k_dim, n_out, 2, glu)
+        assert (m, k, n) == (16, BLOCK_K, block_n), (k_dim, n_out)
         slabs, blocks = -(-k_dim // k), -(-n_out // n)
-        assert slabs % splits == 0 and 2 * splits * rows * 4 <= k_dim * itemsize / 8
+        assert slabs % splits == 0 and 2 * splits * rows * 4 <= k_dim * 2 / 8
         smaller = [s for s in range(1, splits) if slabs % s == 0]
         assert splits * blocks >= target or splits == max(s for s in range(1, slabs + 1) if slabs % s == 0
-                                                          and 2 * s * rows * 4 <= k_dim * itemsize / 8)
+                                                          and 2 * s * rows * 4 <= k_dim * 2 / 8)
         assert all(s * blocks < target for s in smaller), (k_dim, n_out, splits)
+    assert block_sizes(2, 2048, 8224, 2) == (16, 128, 128, 4)  # the H100 sweep's best [K, N] config
     assert block_sizes(64, 2048, 2048, 2)[3] == 1  # 64 rows: the partial sums would outweigh the split
     assert block_sizes(64, 24, 40, 4) == (64, 32, 64, 1)  # K under a slab: one slab of K rounded up
     assert split_count(2, 2048, 128, 1000, 2) == 1  # enough column blocks already
