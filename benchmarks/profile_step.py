@@ -59,6 +59,9 @@ def parse(argv=None):
                    help="requests per prefill call, as Model.prefill_rows packs them "
                         "(comma list; each with each chunk)")
     p.add_argument("--prefill-only", action="store_true", help="profile the prefill chunks only, no decode steps")
+    p.add_argument("--fused-projections", action="store_true",
+                   help="run the decoder layers' projections through the fused Pallas kernel "
+                        "(jaxspec.models.layers.FUSED_KERNEL, off by default; docs/architecture.md)")
     p.add_argument("--rows", default=None, metavar="REGEX",
                    help="profile only the steps whose label matches this regular expression (re.search; "
                         "default: all)")
@@ -152,6 +155,10 @@ def main(argv=None) -> int:
     args = parse(argv)
     from jaxspec.speculative.round import round_executable
 
+    if args.fused_projections:  # before anything is traced
+        from jaxspec.models import layers as model_layers
+
+        model_layers.FUSED_KERNEL = True
     name = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b",))[0]
     layers = common.parse_layers(args.layers, [name])[name]
     hf = common.shape_config(name, layers)
