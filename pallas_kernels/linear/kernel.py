@@ -252,7 +252,7 @@ def fused_linear_pallas(
     weight_nk: bool = False,
     splits: int | None = None,
 ) -> jax.Array:
-    """reference.fused_linear in one kernel. blocks: (block_k, block_n), powers of two >= 16; None
+    """reference.fused_linear in one kernel (two with split-K). blocks: (block_k, block_n), powers of two >= 16; None
     picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16).
     weight_nk: w is stored transposed, [N, K] (HF's layout; glu: gate rows, then up rows), so a
     program reads contiguous runs of K rather than of N (benchmarks/kernel_sweep.py times both).
