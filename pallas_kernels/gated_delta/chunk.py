@@ -5,8 +5,8 @@ FLA splits it), so only the middle kernel walks the chunks in order:
 
 1. `_intra_chunk_kernel`, grid (request, value head, chunk), all chunks in parallel. With
    G = cumsum(g) inside the chunk and A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for i > j, it forms
-   T = (I + A)^-1 in float32 (`_intra_chunk`: forward substitution inside 16-row diagonal blocks,
-   all blocks at once, then block substitution by whole-chunk dots), u = T (beta v) and
+   T = (I + A)^-1 in float32 (`_intra_chunk`: the reference's block doubling, whole-chunk
+   dots), u = T (beta v) and
    w = T (beta exp(G) k). Writes u [C, dv], w [C, dk], G [C] (float32) per chunk.
 2. `_state_pass_kernel`, grid (request, value head, V-block), sequential over the chunks, state
    tile h [dk, BV] in float32 registers, starting from pool[read_idx] (zeros if not has_state):
@@ -21,9 +21,10 @@ Tokens t >= num_valid are inert: q/k/v/g/beta are loaded as zeros (masked loads)
 zeroes them, so they leave the state unchanged and read out 0. Chunks entirely past num_valid are
 skipped (their outputs are written as zeros). Decay matrices are masked before exp, so with g <= 0
 every exp argument is <= 0 (G_i - G_j for i >= j, G_last - G_i, G_i) and no 0 * inf appears.
-Dots on float32 operands run as `f32_dots` says (three-pass TF32 by default, IEEE in the
-interpreter); bfloat16 q/k/v take the tensor-core path for q k^T and k k^T (exact products,
-float32 accumulation). The stored states cost B * HV * chunks * dk * dv * 4 bytes of scratch.
+Dots on float32 operands run as `f32_dots` says (by default one-pass TF32 for a bfloat16 model,
+three-pass for a float32 one: `default_f32_dots`; IEEE in the interpreter); bfloat16 q/k/v take the
+tensor-core path for q k^T and k k^T (exact products, float32 accumulation). The stored states cost
+B * HV * chunks * dk * dv * 4 bytes of scratch.
 """
 
 import functools
@@ -34,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.gated_delta.reference import unit_lower_inverse
 from pallas_kernels.triton_common import (
     MIN_DOT,
     device_sm_count,
@@ -45,11 +47,14 @@ from pallas_kernels.triton_common import (
 F32 = jnp.float32
 
 
-# How a dot of two float32 operands runs: "ieee" (FMA on the CUDA cores, exact float32 products)
-# or "tf32x3" (three TF32 tensor-core products per operand pair, the hi / lo split of each float32:
-# about float32's accuracy, far more throughput). The interpreter runs "ieee" whatever is asked
-# (XLA:CPU has no TF32 algorithm).
-F32_DOTS = ("ieee", "tf32x3")
+# How a dot of two float32 operands runs: "ieee" (FMA on the CUDA cores, exact float32 products),
+# "tf32x3" (three TF32 tensor-core products per operand pair, the hi / lo split of each float32:
+# about float32's accuracy), "tf32" (one TF32 product: operands rounded to 10 mantissa bits) or
+# "bf16" (operands rounded to bfloat16, 7 bits, as flash-linear-attention runs its chunk kernels).
+# Accumulation is float32 in every mode. The interpreter runs "ieee" for the TF32 modes (XLA:CPU
+# has no TF32 algorithm) and rounds to bfloat16 as compiled for "bf16".
+F32_DOTS = ("ieee", "tf32x3", "tf32", "bf16")
+_TF32_ALGORITHMS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 
 
 def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False, f32_dots: str = "ieee"):
@@ -57,9 +62,23 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False, f32_dots: str = 
     the tensor cores (exact products, float32 accumulation)."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     precision = None
-    if a.dtype == F32:
-        precision = lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if f32_dots == "tf32x3" else lax.Precision.HIGHEST
+    if a.dtype == F32 and f32_dots == "bf16":
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    elif a.dtype == F32:
+        precision = _TF32_ALGORITHMS.get(f32_dots, lax.Precision.HIGHEST)
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def default_f32_dots(value_dtype) -> str:
+    """How the float32 dots run unless asked, by the dtype of the values (the model's dtype).
+
+    bfloat16: one-pass TF32, 2.4x faster than three-pass on an H100 (Qwen3.5-27B heads, 8 x 512
+    tokens: 1011 against 2432 us) for a relative RMS output error of 4.6e-4 against the float32
+    reference, under the ~1.7e-3 that rounding the output to bfloat16 (as such a model does before
+    the GDN output projection) adds by itself ("bf16" dots, 3.7e-3, would be over it). float32:
+    three-pass TF32, about float32's accuracy, for the model that is the exactness reference
+    (docs/architecture.md, "Numerics"; docs/benchmarks.md, "Chunked prefill in TF32")."""
+    return "tf32x3" if jnp.dtype(value_dtype) == F32 else "tf32"
 
 
 def _load_rows(ref, start, live):
@@ -79,35 +98,12 @@ def _decay(G, *, strict: bool):
     return jnp.where(mask, jnp.exp(jnp.where(mask, G[:, None] - G[None, :], 0.0)), 0.0)
 
 
-# Rows of one diagonal block of the chunk's triangular solve: the serial forward substitution is
-# SUB steps whatever the chunk size (all diagonal blocks advance together), the rest of
-# (I + A)^-1 is whole-chunk dots, so a 64-token chunk costs 16 serial steps, not 64.
-SUB = 16
-
-
 def _intra_chunk(k, v, G, beta, dot):
     """u, w of one chunk from whole-chunk tiles (k [C, dk], v [C, dv], G, beta [C], float32): A by
-    one dot; the SUB x SUB diagonal blocks of (I + A)^-1 as D by forward substitution, all blocks
-    at once (step i sets row i of every block: one dot per step); then, with L the strictly
-    block-lower part of A and M = D L, T = (I + M)^-1 D by block substitution
-    X <- D - M X (block row s is exact after s steps, M being block-nilpotent)."""
-    n = G.shape[0]
-    sub = min(SUB, n)
-    rows, cols = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-    same = rows // sub == cols // sub
+    one dot, T = (I + A)^-1 by the reference's block doubling (log2(C) - 1 levels of two
+    whole-chunk dots, no serial per-row loop), then u and w by one dot each."""
     a = beta[:, None] * dot(k, k, trans_b=True) * _decay(G, strict=True)  # [C, C]
-    a_diag = jnp.where(same, a, 0.0)
-    eye = jnp.where(rows == cols, 1.0, 0.0)
-
-    def row_step(i, d):  # rows i, sub + i, ...: e_r - sum_j a_rj d_j over the rows already set
-        return jnp.where(rows % sub == i, eye - dot(a_diag, d), d)
-
-    d = lax.fori_loop(0, sub, row_step, jnp.zeros((n, n), F32))
-    t = d
-    if n > sub:
-        m = dot(d, jnp.where(same, 0.0, a))
-        for _ in range(n // sub - 1):
-            t = d - dot(m, t)
+    t = unit_lower_inverse(a, matmul=dot)
     u = dot(t, beta[:, None] * v.astype(F32))
     w = dot(t, (beta * jnp.exp(G))[:, None] * k.astype(F32))
     return u, w
@@ -301,7 +297,7 @@ def gdn_prefill_pallas(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    f32_dots: str = "tf32x3",
+    f32_dots: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas chunked GDN prefill; same contract as `reference.gdn_prefill`.
 
@@ -309,7 +305,8 @@ def gdn_prefill_pallas(
     last valid token. T need not be a multiple of `chunk_size` (a power of two >= 16). `block_v`
     (power of two >= 16 dividing dv; default `default_block_v`) is the V-block of the state pass
     and the output kernel; `num_stages` their Triton pipeline depth (default `default_num_stages`).
-    `f32_dots` (F32_DOTS) is how the float32 dots run when compiled; interpreted they are IEEE. With
+    `f32_dots` (F32_DOTS; default `default_f32_dots(v.dtype)`) is how the float32 dots run when
+    compiled; interpreted, the TF32 modes are IEEE. With
     duplicate write slots (padding rows write the null slot 0) slot 0 holds any one of them.
     """
     b, t, hk, dk = q.shape
@@ -317,9 +314,10 @@ def gdn_prefill_pallas(
     block_v = block_v or default_block_v(b, hv, dv)
     num_stages = num_stages or default_num_stages(block_v)
     _check(q, v, pool, chunk_size, block_v)
+    f32_dots = f32_dots or default_f32_dots(v.dtype)
     if f32_dots not in F32_DOTS:
         raise ValueError(f"{f32_dots=} must be one of {F32_DOTS}")
-    f32_dots = "ieee" if interpret else f32_dots
+    f32_dots = "ieee" if interpret and f32_dots in _TF32_ALGORITHMS else f32_dots
     i32 = jnp.int32
     num_valid = num_valid.astype(i32)
     r, n_slots = hv // hk, pool.shape[0]

@@ -15,6 +15,8 @@ docs/architecture.md: index 0 of every pool is the null slot/line, tokens `t >= 
 inert (state unchanged, output ignored), every pool is read before it is written.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,13 +120,14 @@ def _to_chunks(x, chunk_size: int):
     return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
 
-def unit_lower_inverse(a):
+def unit_lower_inverse(a, matmul=None):
     """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two, float32.
 
     Block doubling: if D inverts the diagonal blocks of size s of L = I + a, then over blocks of
     size 2s, inv([[L11, 0], [L21, L22]]) = [[D1, 0], [-D2 L21 D1, D2]] = D - D L_off D, where L_off
     keeps a's lower-left s x s sub-block inside each 2s block. Exact block inversion (as stable as
-    substitution), log2(C) levels of two matmuls each.
+    substitution), log2(C) levels of two matmuls each (none at s = 1, where D = I). `matmul(x, y)`
+    multiplies the last two dims (default: float32 einsum); the Pallas prefill passes its own dot.
 
     Why not `lax.linalg.triangular_solve`: on the CPU, jaxlib 0.10's LAPACK kernel fans its batch
     out over XLA's intra-op thread pool and blocks on it, so as many concurrent solves as pool
@@ -133,12 +136,16 @@ def unit_lower_inverse(a):
     C = a.shape[-1]
     if C & (C - 1):
         raise ValueError(f"chunk size {C} must be a power of two")
+    matmul = matmul or functools.partial(_einsum, "...ij,...jk->...ik")
     i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
-    inv = jnp.broadcast_to(jnp.eye(C, dtype=a.dtype), a.shape)
-    s = 1
+
+    def lower_left(s):  # a's lower-left s x s block inside each 2s block
+        return jnp.where((i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & ((j // s) % 2 == 0), a, 0.0)
+
+    inv = jnp.where(i == j, 1.0, 0.0).astype(a.dtype) - lower_left(1)
+    s = 2
     while s < C:
-        off = (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & ((j // s) % 2 == 0)  # [C, C]
-        inv = inv - _einsum("...ij,...jk->...ik", inv, _einsum("...ij,...jk->...ik", jnp.where(off, a, 0.0), inv))
+        inv = inv - matmul(inv, matmul(lower_left(s), inv))
         s *= 2
     return inv
 

@@ -27,6 +27,9 @@ from pallas_kernels.gated_delta.recurrent import default_block_v, gdn_verify_pal
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 RTOL = {"float32": 1e-5, "bfloat16": 5e-3}  # by the dtype of the compared output
+# The prefill's reduced-precision dot modes round their float32 operands (TF32: 10 mantissa bits,
+# bfloat16: 7), so their outputs are held to twice that unit roundoff (2^-11, 2^-8), not float32's.
+DOTS_RTOL = {"tf32": 2 * 2.0**-11, "bf16": 2 * 2.0**-8}
 SMALL = {"hk": 2, "dk": 16, "dv": 16}  # interpret-mode heads: HV = 2 r
 QWEN = {"hk": 16, "dk": 128, "dv": 128}  # GPU heads: HV = 16 r (Qwen3.5-2B / Next / 27B for r = 1 / 2 / 3)
 
@@ -43,11 +46,12 @@ def rel_rms(a, b) -> float:
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
 
 
-def assert_close(got, want, dtype):
+def assert_close(got, want, dtype, tol=None):
     """rel_rms(got, want) within the tolerance of want's dtype (dtype, the inputs' dtype, does not
-    loosen it: a float32 output of bfloat16 inputs is held to float32's tolerance)."""
+    loosen it: a float32 output of bfloat16 inputs is held to float32's tolerance), or within
+    `tol` where the kernel was asked to round (DOTS_RTOL)."""
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    tol = RTOL[np.dtype(want.dtype).name]
+    tol = max(tol or 0.0, RTOL[np.dtype(want.dtype).name])
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape and np.isfinite(got).all()
     err = rel_rms(got, want)
@@ -158,9 +162,10 @@ def test_verify_interpret_bfloat16(k, r):
 
 
 def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="normal", hk, dk, dv,
-                  f32_dots="tf32x3"):
+                  f32_dots=None):
     """Rows: fresh full row (slot 1), a continuation of chunk + 1 tokens (reads 2, writes 3), one of
-    exactly one chunk (slot 4), a padding row; slot 5 must stay untouched."""
+    exactly one chunk (slot 4), a padding row; slot 5 must stay untouched. Held to the tolerance of
+    `f32_dots` (DOTS_RTOL; default: the kernel's for this dtype) where compiled."""
     rng = np.random.default_rng(seed)
     hv = hk * r
     num_valid = [T, min(T, chunk + 1), min(T, chunk), 0]
@@ -169,14 +174,16 @@ def check_prefill(seed, *, T, chunk, r, dtype, interpret, block_v=None, gates="n
     args = (*inputs, pool, i32(1, 2, 4, 0), i32(1, 3, 4, 0), jnp.asarray([False, True, True, True]), i32(*num_valid))
     got = prefill_pallas(*args, chunk_size=chunk, interpret=interpret, block_v=block_v, f32_dots=f32_dots)
     want = prefill_ref(*args, chunk_size=chunk)
-    assert_close(got[0], want[0], dtype)
-    assert_close(got[1][1:], want[1][1:], dtype)
+    dots = f32_dots or C.default_f32_dots(dtype)
+    tol = DOTS_RTOL.get(dots) if not (interpret and dots == "tf32") else None  # interpreted TF32 is IEEE
+    assert_close(got[0], want[0], dtype, tol)
+    assert_close(got[1][1:], want[1][1:], dtype, tol)
     np.testing.assert_array_equal(got[1][5], pool[5])
     assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
 
 
 # T = 40 with chunk 16: rows of 40 (3 chunks, the last partial), 17 and 16 valid tokens; chunks
-# of 32 and 64 run the diagonal-block substitution and the block steps of the intra-chunk solve.
+# of 32 and 64 run more levels of the intra-chunk solve's block doubling.
 PREFILL_CASES = [(40, 16, 1), (33, 16, 3), (70, 32, 1), (70, 64, 2), (140, 64, 1)]
 
 
@@ -193,6 +200,14 @@ def test_prefill_interpret_bfloat16():
 def test_prefill_interpret_extreme_gates(chunk):
     """g in {-50, ~0}, beta ~ 1: the explicit (I + A)^-1 must stay as exact as the reference's solve."""
     check_prefill(6, T=140, chunk=chunk, r=1, dtype=jnp.float32, interpret=True, gates="extreme", **SMALL)
+
+
+@pytest.mark.parametrize("gates", ["normal", "extreme"])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_prefill_interpret_bf16_dots(chunk, gates):
+    """f32_dots="bf16" rounds the float32 operands as compiled: within twice bfloat16's roundoff."""
+    check_prefill(9, T=140, chunk=chunk, r=2, dtype=jnp.float32, interpret=True, gates=gates, f32_dots="bf16",
+                  **SMALL)
 
 
 @pytest.mark.parametrize("n", [16, 32, 64])
@@ -230,9 +245,9 @@ def test_prefill_refuses_an_unknown_dot_mode():
     rng = np.random.default_rng(0)
     inputs = gdn_inputs(rng, [8], 8, hv=2, dtype=jnp.float32, **SMALL)
     pool = jnp.zeros((2, 2, 16, 16), jnp.float32)
-    with pytest.raises(ValueError, match="f32_dots='tf32'.*'ieee', 'tf32x3'"):
+    with pytest.raises(ValueError, match="f32_dots='fp8'.*'ieee', 'tf32x3', 'tf32', 'bf16'"):
         gdn_prefill_pallas(*inputs, pool, i32(1), i32(1), jnp.asarray([False]), i32(8), interpret=True,
-                           f32_dots="tf32")
+                           f32_dots="fp8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,10 +389,11 @@ class TestPallasGPU:
         check_prefill(T + r, T=T, chunk=64, r=r, dtype=dtype, interpret=False, **QWEN)
 
     @pytest.mark.parametrize(("chunk", "block_v"), [(16, 16), (32, 64), (64, 128)])
-    def test_prefill_blocks(self, chunk, block_v):
-        check_prefill(7, T=130, chunk=chunk, r=2, dtype=jnp.bfloat16, interpret=False, block_v=block_v, **QWEN)
+    def test_prefill_blocks(self, chunk, block_v):  # three-pass TF32: float32's tolerance
+        check_prefill(7, T=130, chunk=chunk, r=2, dtype=jnp.bfloat16, interpret=False, block_v=block_v,
+                      f32_dots="tf32x3", **QWEN)
 
-    @pytest.mark.parametrize("f32_dots", ["ieee", "tf32x3"])
+    @pytest.mark.parametrize("f32_dots", C.F32_DOTS)
     def test_prefill_extreme_gates(self, f32_dots):
         check_prefill(8, T=130, chunk=64, r=3, dtype=jnp.float32, interpret=False, gates="extreme", f32_dots=f32_dots,
                       **QWEN)

@@ -11,8 +11,9 @@ import pytest
 from pallas_kernels.attention import api as attention_api
 from pallas_kernels.gated_delta import api as gdn_api
 from pallas_kernels.gated_delta import reference as gdn_ref
+from pallas_kernels.gated_delta.chunk import default_f32_dots
 from tests.kernels.test_attention import make_case, rel_rms, written_step
-from tests.kernels.test_gdn_pallas import assert_close, gdn_inputs, i32
+from tests.kernels.test_gdn_pallas import DOTS_RTOL, assert_close, gdn_inputs, i32
 
 ON_GPU = jax.default_backend() == "gpu"
 ATTN_RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -66,8 +67,9 @@ def check_prefill(seed, *, dk, dv, dtype, T=20, hk=2, r=2, interpret=None):
     args = (*inputs, pool, i32(1, 2, 4, 0), i32(1, 3, 4, 0), jnp.asarray([False, True, True, True]), i32(*num_valid))
     got = gdn_api.gdn_prefill(*args, implementation="pallas", interpret=interpret)
     want = gdn_ref.gdn_prefill(*args, chunk_size=16)
-    assert_close(got[0], want[0], dtype)
-    assert_close(got[1][1:], want[1][1:], dtype)
+    tol = DOTS_RTOL.get(default_f32_dots(dtype)) if interpret is False else None  # compiled: the default dots round
+    assert_close(got[0], want[0], dtype, tol)
+    assert_close(got[1][1:], want[1][1:], dtype, tol)
     np.testing.assert_array_equal(got[1][5], pool[5])
     assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
 
