@@ -22,6 +22,7 @@ bound: its bytes floor is not its limit.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -140,11 +141,14 @@ def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple]
 
 
 def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.gated_delta.chunk import F32_DOTS, default_block_v, default_num_stages
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta.chunk import default_block_v, default_f32_dots, default_num_stages
 
     dv = layout[3]
     block_v = default_block_v(B, layout[1], dv)
-    default = (64, block_v, 4, default_num_stages(block_v), F32_DOTS[1])  # gdn_prefill_pallas' defaults
+    # gdn_prefill_pallas' defaults for the bfloat16 values kernels._gdn_inputs makes
+    default = (64, block_v, 4, default_num_stages(block_v), default_f32_dots(jnp.bfloat16))
     dots = args.f32_dots.split(",")
     grid = itertools.product(common.int_list(args.chunks), [b for b in common.int_list(args.block_v) if dv % b == 0],
                              common.int_list(args.gdn_warps), common.int_list(args.prefill_stages), dots)
@@ -298,13 +302,13 @@ def _conv_fn(config, reps: int, interpret: bool):
     return jax.jit(run, donate_argnums=0)
 
 
-def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> float | None:
-    """GPU busy microseconds per kernel call of the swept kernel's own launches, or of every kernel
-    (None off GPU)."""
+def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> tuple[float | None, dict]:
+    """GPU busy microseconds per kernel call of the swept kernel's own launches, or of every kernel,
+    and the same split by the swept kernel's launch names ((None, {}) off GPU)."""
     import jax
 
     if jax.default_backend() != "gpu":
-        return None
+        return None, {}
 
     from benchmarks.profile_step import _kernel_events
 
@@ -315,7 +319,30 @@ def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> 
                 out = call()
             common.block(out)
         events = [e for e in _kernel_events(trace_dir) if every or any(n in e[0] for n in KERNEL_NAMES[kernel])]
-    return sum(d for _, _, d in events) / 1e3 / (traced * reps) if events else None
+    per_call = 1e3 * traced * reps
+    parts = {n: sum(d for name, _, d in events if n in name) / per_call for n in KERNEL_NAMES[kernel]}
+    return (sum(d for _, _, d in events) / per_call if events else None), {n: us for n, us in parts.items() if us}
+
+
+def _prefill_error(config, start, x, fixed, interpret: bool) -> float:
+    """Relative RMS error of one config's prefill output (first rep's inputs, `start` [B, HV, dk, dv]
+    the states they read) against `reference.gdn_prefill`: what a reduced-precision dot mode costs."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta import reference
+    from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
+
+    chunk, block_v, warps, stages, dots = config
+    B = start.shape[0]
+    pool = jnp.concatenate([jnp.zeros_like(start[:1]), jnp.asarray(start), jnp.zeros_like(start)])
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots, slots + B, fixed["has"], fixed["nv"])
+    got = jax.jit(functools.partial(gdn_prefill_pallas, chunk_size=chunk, interpret=interpret, block_v=block_v,
+                                    num_warps=warps, num_stages=stages, f32_dots=dots))(*args)[0]
+    want = jax.jit(reference.gdn_prefill)(*args)[0]
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
 def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res, bandwidth: float, rng,
@@ -334,6 +361,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
                                                            cache)
         configs, default = _prefill_configs(args, layout, B)
         make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
+        prefill_start = np.asarray(state[per[0]["read"]])  # the start states: the timed calls donate the pool
     elif kernel == "linear":
         state = None
         per, fixed, nbytes = _linear_inputs(rng, layout, B * T, args.reps)
@@ -368,14 +396,16 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
         try:
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
-            busy = _busy_us(call, kernel, args.traced, args.reps, every=config == ("xla",))
+            busy, parts = _busy_us(call, kernel, args.traced, args.reps, every=config == ("xla",))
+            error = _prefill_error(config, prefill_start, per[0], fixed, interpret) if kernel == "gdn_prefill" else None
         except Exception as e:
             res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
             continue
         res.add({"kernel": kernel, "layout": name, "B": B, "T": T, "context": context, "config": list(config),
                  "default": config == default, "wall_us": timing["pipelined"]["median_ms"] * 1e3 / args.reps,
-                 "busy_us": busy, "floor_us": floor_us, "busy_over_floor": busy / floor_us if busy else None,
-                 "bytes": nbytes, "reps": args.reps, "timing": timing})
+                 "busy_us": busy, "busy_by_kernel_us": parts, "error": error, "floor_us": floor_us,
+                 "busy_over_floor": busy / floor_us if busy else None, "bytes": nbytes, "reps": args.reps,
+                 "timing": timing})
 
 
 def print_tables(res) -> None:
@@ -386,12 +416,15 @@ def print_tables(res) -> None:
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
               ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
-              fmt(r["busy_us"], 1), fmt(r["floor_us"], 1), fmt(r["busy_over_floor"])] for r in rows]
+              fmt(r["busy_us"], 1), " / ".join(fmt(us, 1) for us in r.get("busy_by_kernel_us", {}).values()),
+              fmt(r["floor_us"], 1), fmt(r["busy_over_floor"]),
+              "" if r.get("error") is None else f"{r['error']:.1e}"] for r in rows]
     configs = ", ".join(f"{kernel} {names}" for kernel, names in fields.items())
     print(f"\nkernel sweep (us per call; * = the default; config: {configs}; busy = the kernel's own GPU time, "
-          "none off GPU)")
-    print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy", "floor",
-                                      "busy/floor"]))
+          "none off GPU; busy by launch = the same split by launch name (gdn_prefill: intra / state pass / output); "
+          "error = relative RMS of the prefill output against the reference)")
+    print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy",
+                                      "busy by launch", "floor", "busy/floor", "error"]))
 
 
 def main(argv=None) -> int:

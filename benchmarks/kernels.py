@@ -14,9 +14,10 @@ bandwidth plus one kernel launch, measured; reported also as t(1+k) / t(1)), the
 (verify mode) and the chunked GDN prefill.
 One jitted call runs --reps kernel calls on distinct inputs (no CSE; state slots and KV pages rotated so
 repeated calls do not just hit the 60 MB L2) and the time is per kernel call.
-fla runs through torch with triton.testing.do_bench (L2 flushed between calls); its recurrent
-kernel writes only the final state, not one snapshot per token, and its conv only the final window,
-so both are lower bounds on our verify's work. Layouts run in the order --layouts names them. GDN
+fla runs through torch, each config in a process of its own, timed with triton.testing.do_bench
+(L2 flushed between calls) and replayed from a CUDA graph (its GPU time); its recurrent kernel
+writes only the final state, not one snapshot per token, and its conv only the final window, so
+both are lower bounds on our verify's work. Layouts run in the order --layouts names them. GDN
 kernels are imported lazily: a missing or failing kernel is skipped and the reason recorded.
 """
 
@@ -29,7 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import functools  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 
@@ -50,6 +53,7 @@ IMPLS = ("xla", "pallas", "pallas_fused", "pallas_onepass", "mosaic")
 ONLY_FOR = {"mosaic": "gdn_verify", "pallas_fused": "gdn_verify", "pallas_onepass": "attention"}
 CONV_K, PAGE, KMAX = 4, 16, 15
 L2_BYTES = 256 * 2**20  # rotate inputs until one pass covers this many bytes (L2 is 60 MB)
+FLA_TIMEOUT_S = 300  # one fla config's process: imports, Triton autotuning, two timings
 
 SMOKE = dict(batches="1", ks="0,3", attn_ks="0,3", contexts="32", prefill_lens="16", prefill_batches="1", reps=2,
              repeats=3, compile_threads=2, bandwidth_gib=1 / 32)
@@ -449,31 +453,50 @@ def _fla_call(kernel: str, fla, layout, B: int, T: int):
     return call, floor, "final state only (no per-token snapshots); l2norm in kernel"
 
 
-def run_fla(kernel: str, name: str, layout, fla, args, res) -> None:
-    """fla's kernel of the same group on the same shapes (`_fla_call`). Timed twice: eagerly with
-    do_bench (each call launched from Python, L2 flushed: an upper bound where launching its
-    kernels takes longer than running them) and replayed from a CUDA graph (no host in the way:
-    its GPU time, the number compared). `us` is the graph time where capture works."""
+def _fla_time_one(kernel: str, layout, B: int, T: int) -> dict:
+    """fla's kernel for one config, timed eagerly with do_bench (each call launched from Python,
+    L2 flushed: an upper bound where launching its kernels takes longer than running them) and
+    replayed from a CUDA graph (no host in the way: its GPU time, the number compared)."""
     import triton
+    from fla.modules import causal_conv1d
+    from fla.ops import gated_delta_rule
 
+    fla = types.SimpleNamespace(gdn=gated_delta_rule, conv=causal_conv1d)
+    call, floor, note = _fla_call(kernel, fla, layout, B, T)
+    eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
+    try:
+        graph, graph_error = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e3, None
+    except Exception as e:  # a kernel that syncs with the host cannot be captured: keep the eager time
+        graph, graph_error = None, f"{type(e).__name__}: {e}"
+    return {"us_eager": eager, "us_graph": graph, "graph_error": graph_error, "floor_bytes": floor, "note": note}
+
+
+def run_fla(kernel: str, name: str, layout, args, res) -> None:
+    """fla's kernel of the same group on the same shapes (`_fla_call`), each config in a process of
+    its own (`_fla_time_one`): a failed CUDA-graph capture leaves torch's generator unusable for
+    every later call in its process. `us` is the graph time where capture works."""
     for B, T, _ in _configs(kernel, args):
+        what = f"fla {kernel} {name} B={B} T={T}"
+        spec = json.dumps({"kernel": kernel, "layout": list(layout), "B": B, "T": T})
         try:
-            call, floor, note = _fla_call(kernel, fla, layout, B, T)
-            eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
-        except Exception as e:
-            res.error(f"fla {kernel} {name} B={B} T={T}", e)
+            proc = subprocess.run([sys.executable, __file__, "--fla-one", spec], capture_output=True, text=True,
+                                  timeout=FLA_TIMEOUT_S, check=False)
+            out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+        except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+            res.error(what, e)
             continue
-        try:
-            graph = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e3
-        except Exception as e:  # a kernel that syncs with the host cannot be captured: keep the eager time
-            res.error(f"fla {kernel} {name} B={B} T={T} (CUDA graph)", e)
-            graph = None
+        if out is None:
+            res.error(what, RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"))
+            continue
+        if out["graph_error"]:
+            res.error(f"{what} (CUDA graph)", RuntimeError(out["graph_error"]))
+        graph = out["us_graph"]
         timing = "CUDA graph replay median" if graph is not None else "do_bench median, L2 flushed"
         res.data["results"].append({"kernel": kernel, "layout": name, "B": B, "T": T, "k": T - 1, "impl": "fla",
-                                    "us": graph if graph is not None else eager, "us_eager": eager,
+                                    "us": graph if graph is not None else out["us_eager"], "us_eager": out["us_eager"],
                                     "us_graph": graph, "host_bound": graph is None,
-                                    "floor_us": floor / res.data["bandwidth"]["bytes_per_s"] * 1e6,
-                                    "note": f"{note}; bf16; {timing}"})
+                                    "floor_us": out["floor_bytes"] / res.data["bandwidth"]["bytes_per_s"] * 1e6,
+                                    "note": f"{out['note']}; bf16; {timing}"})
     res.save()
 
 
@@ -545,7 +568,7 @@ def main(argv=None) -> int:
             try:
                 run_layout(kernel, name, layout, api, args, res, bw["bytes_per_s"], launch_us)
                 if fla is not None and kernel in ("gdn_verify", "prefill", "conv") and budget.allows():
-                    run_fla(kernel, name, layout, fla, args, res)
+                    run_fla(kernel, name, layout, args, res)
             except Exception as e:
                 res.error(f"{kernel} {name}", e)
             log(f"{kernel} {name}: {time.perf_counter() - t0:.1f}s")
@@ -555,4 +578,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fla-one"]:  # run_fla's child: one fla config, its times as one JSON line
+        one = json.loads(sys.argv[2])
+        print(json.dumps(_fla_time_one(one["kernel"], tuple(one["layout"]), one["B"], one["T"])))
+        sys.exit(0)
     sys.exit(main())
