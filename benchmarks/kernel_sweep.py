@@ -163,14 +163,16 @@ def _conv_configs(args) -> tuple[list[tuple], tuple]:
 
 
 def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.linear.kernel import block_sizes
+    from pallas_kernels.linear.kernel import block_sizes, split_count
 
     k_dim, n_dim, epilogue = layout
     glu = epilogue.startswith("glu")
-    _, block_k, block_n, splits = block_sizes(rows, k_dim, n_dim // 2 if glu else n_dim, 2, glu)
+    n_out = n_dim // 2 if glu else n_dim
+    _, block_k, block_n, splits = block_sizes(rows, k_dim, n_out, 2, glu)
     block_ks = common.int_list(args.linear_block_k)
-    if epilogue == "gated":  # one slab per norm group
+    if epilogue == "gated":  # one slab per norm group, and the kernel's split count for that slab
         block_k, block_ks = GATE_GROUP, [GATE_GROUP]
+        splits = split_count(rows, k_dim, block_k, -(-n_out // block_n), 2)
     default = (block_k, block_n, 4, 4, "kn", splits)  # fused_linear_pallas' defaults (bfloat16)
     weights = [w for w in args.linear_weights.split(",") if w]
     if not weights or set(weights) - {"kn", "nk"}:
