@@ -326,24 +326,34 @@ def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> 
     return (sum(d for _, _, d in events) / per_call if events else None), {n: us for n, us in parts.items() if us}
 
 
-def _prefill_error(config, start, x, fixed, interpret: bool) -> float:
-    """Relative RMS error of one config's prefill output (first rep's inputs, `start` [B, HV, dk, dv]
-    the states they read) against `reference.gdn_prefill`: what a reduced-precision dot mode costs."""
+def _prefill_check(state, x, fixed) -> tuple[tuple, np.ndarray]:
+    """(arguments, reference output) of one prefill call on the first rep's inputs, over a small pool
+    holding only the states they read: computed once per shape, before the timed calls donate the pool."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.gated_delta import reference
+
+    start = state[x["read"]]  # [B, HV, dk, dv]
+    B = start.shape[0]
+    pool = jnp.concatenate([jnp.zeros_like(start[:1]), start, jnp.zeros_like(start)])
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots, slots + B, fixed["has"], fixed["nv"])
+    return args, np.asarray(jax.jit(reference.gdn_prefill)(*args)[0], np.float64)
+
+
+def _prefill_error(config, check, interpret: bool) -> float:
+    """Relative RMS error of one config's prefill output against the reference (`_prefill_check`):
+    what a reduced-precision dot mode costs."""
+    import jax
+
     from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 
     chunk, block_v, warps, stages, dots = config
-    B = start.shape[0]
-    pool = jnp.concatenate([jnp.zeros_like(start[:1]), jnp.asarray(start), jnp.zeros_like(start)])
-    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots, slots + B, fixed["has"], fixed["nv"])
+    args, want = check
     got = jax.jit(functools.partial(gdn_prefill_pallas, chunk_size=chunk, interpret=interpret, block_v=block_v,
                                     num_warps=warps, num_stages=stages, f32_dots=dots))(*args)[0]
-    want = jax.jit(reference.gdn_prefill)(*args)[0]
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    got = np.asarray(got, np.float64)
     return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
@@ -363,7 +373,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
                                                            cache)
         configs, default = _prefill_configs(args, layout, B)
         make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
-        prefill_start = np.asarray(state[per[0]["read"]])  # the start states: the timed calls donate the pool
+        prefill_check = _prefill_check(state, per[0], fixed)
     elif kernel == "linear":
         state = None
         per, fixed, nbytes = _linear_inputs(rng, layout, B * T, args.reps)
@@ -399,7 +409,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
         try:
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
             busy, parts = _busy_us(call, kernel, args.traced, args.reps, every=config == ("xla",))
-            error = _prefill_error(config, prefill_start, per[0], fixed, interpret) if kernel == "gdn_prefill" else None
+            error = _prefill_error(config, prefill_check, interpret) if kernel == "gdn_prefill" else None
         except Exception as e:
             res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
             continue

@@ -105,14 +105,20 @@ def _fla():
         return None, "fla runs on CUDA only (this backend is " + jax.default_backend() + ")"
     try:
         import torch
-        from fla.modules import causal_conv1d
-        from fla.ops import gated_delta_rule
 
         if not torch.cuda.is_available():
             return None, "torch sees no CUDA device"
-        return types.SimpleNamespace(gdn=gated_delta_rule, conv=causal_conv1d), None
+        return _fla_modules(), None
     except Exception as e:
         return None, f"import fla failed: {type(e).__name__}: {e}"
+
+
+def _fla_modules():
+    """fla's gated_delta_rule and causal_conv1d modules as one namespace (imports torch and fla only)."""
+    from fla.modules import causal_conv1d
+    from fla.ops import gated_delta_rule
+
+    return types.SimpleNamespace(gdn=gated_delta_rule, conv=causal_conv1d)
 
 
 def _rot(per_rep_bytes: int, reps: int) -> int:
@@ -458,11 +464,8 @@ def _fla_time_one(kernel: str, layout, B: int, T: int) -> dict:
     L2 flushed: an upper bound where launching its kernels takes longer than running them) and
     replayed from a CUDA graph (no host in the way: its GPU time, the number compared)."""
     import triton
-    from fla.modules import causal_conv1d
-    from fla.ops import gated_delta_rule
 
-    fla = types.SimpleNamespace(gdn=gated_delta_rule, conv=causal_conv1d)
-    call, floor, note = _fla_call(kernel, fla, layout, B, T)
+    call, floor, note = _fla_call(kernel, _fla_modules(), layout, B, T)
     eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
     try:
         graph, graph_error = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e3, None
