@@ -139,6 +139,15 @@ ENGINE = dict(max_num_seqs=8, max_model_len=1024, page_size=16, prefill_chunk=64
 SMOKE_ENGINE = dict(max_num_seqs=2, max_model_len=128, page_size=16, prefill_chunk=16, max_num_speculative_tokens=3)
 
 
+def engine_for_context(engine: dict, context: int) -> dict:
+    """`engine` with max_model_len grown, in whole pages, to hold `context` cached tokens and half
+    its own length after them (positions a timing run advances through); unchanged when it fits.
+    A table narrower than the context would cap what the attention reads, not the floor."""
+    page, length = engine["page_size"], engine["max_model_len"]
+    need = -(-(context + length // 2) // page) * page
+    return {**engine, "max_model_len": max(length, need)}
+
+
 def build_model(hf: dict, *, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0, engine: dict = ENGINE,
                 tensor_parallel_size: int = 1):
     """A jaxspec Model with seeded random weights (demo.init_params) on the default device, or

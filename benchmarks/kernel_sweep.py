@@ -1,22 +1,23 @@
 #!/usr/bin/env python
 """Kernel launch-parameter sweep: the paged span attention (pages per loop step x KV splits x warps x
-pipeline stages), the GDN verify recurrence (V-block width x warps; "gdn_verify" the plain kernel,
-"gdn_verify_mixed" the one the model runs, with the layer's glue inside), the GDN chunked prefill
-(chunk x V-block x warps x stages x float32 dot mode), the prefill's causal conv (token tile x
-channel block x warps) and the fused projection of a decode / verify step (K slab x column block
-x warps x stages x weight layout x split-K programs, beside XLA's norm + gemm + epilogue), each
-config timed as pipelined wall per call and profiled for the GPU busy time of its own kernels,
-beside its bytes floor.
+pipeline stages x where the splits merge), the GDN verify recurrence (V-block width x warps;
+"gdn_verify" the plain kernel, "gdn_verify_mixed" the one the model runs, with the layer's glue
+inside), the GDN chunked prefill (chunk x V-block x warps x stages x float32 dot mode), the
+prefill's causal conv (token tile x channel block x warps) and the fused projection of a decode /
+verify step (K slab x column block x warps x stages x weight layout x split-K programs, beside
+XLA's norm + gemm + epilogue), each config timed as pipelined wall per call and profiled for the
+GPU busy time of its own kernels, beside its bytes floor.
 
-This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` in
-pallas_kernels/attention/kernel.py, `default_block_v` in pallas_kernels/gated_delta/recurrent.py and
-chunk.py, the conv's block_t / block_c in conv.py, `block_sizes` in pallas_kernels/linear/kernel.py)
-were chosen; the default config of each shape is always timed and marked. Inputs and floors are
-benchmarks/kernels.py's (KV pages and state slots rotated past the L2; linear: a weight copy per
-call). Busy time counts only the swept kernels (attention: the split kernel and its merge; GDN
-verify: the recurrence; prefill: its three kernels; conv: the prefill conv; linear: the kernel, or
-for the "xla" config every kernel of the call), not the harness's own ops; the wall time holds them
-too and one launch gap per call. The prefill is compute
+This is how the kernels' defaults (`default_num_splits` / `default_pages_per_block` /
+`default_merge` in pallas_kernels/attention/kernel.py, `default_block_v` in
+pallas_kernels/gated_delta/recurrent.py and chunk.py, the conv's block_t / block_c in conv.py,
+`block_sizes` in pallas_kernels/linear/kernel.py) were chosen; the default config of each shape is
+always timed and marked. Inputs and floors are benchmarks/kernels.py's (KV pages and state slots
+rotated past the L2; linear: a weight copy per call). Busy time counts only the swept kernels
+(attention: every kernel of the call, so the split kernel with its merge launch, or with the
+zeroed counters of the fused merge; GDN verify: the recurrence; prefill: its three kernels; conv:
+the prefill conv; linear: the kernel, or for the "xla" config every kernel of the call), not the
+harness's own ops; the wall time holds them too and one launch gap per call. The prefill is compute
 bound: its bytes floor is not its limit.
 """
 
@@ -38,7 +39,8 @@ from benchmarks.common import fmt, log  # noqa: E402
 
 KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill", "conv_prefill", "linear")
 # The names each kernel's pallas_calls give their GPU kernels (busy time counts only these).
-KERNEL_NAMES = {"attention": ("paged_span_attention",), "gdn_verify": ("gdn_verify",),
+KERNEL_NAMES = {"attention": ("paged_span_attention_split", "paged_span_attention_merge", "paged_span_attention"),
+                "gdn_verify": ("gdn_verify",),
                 "gdn_verify_mixed": ("gdn_verify_mixed",),
                 "gdn_prefill": ("gdn_intra_chunk", "gdn_chunk_state_pass", "gdn_chunk_output"),
                 "conv_prefill": ("conv_update_prefill",), "linear": ("fused_linear",)}
@@ -54,9 +56,14 @@ LINEAR_LAYOUTS = {
                     "down": (17408, 5120, "residual"), "out": (6144, 5120, "gated")},
 }
 GATE_GROUP = 128
+# Launch names as the tables print them.
+SHORT = {"paged_span_attention_split": "split", "paged_span_attention_merge": "merge",
+         "paged_span_attention": "one pass", "gdn_intra_chunk": "intra", "gdn_chunk_state_pass": "state pass",
+         "gdn_chunk_output": "output"}
 SMOKE_LINEAR = {"demo": {"gate_up": (64, 96, "glu"), "down": (48, 64, "residual"), "out": (256, 64, "gated")}}
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
-             stages="2", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16", prefill_stages="1",
+             stages="2", merges="fused,kernel", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16",
+             prefill_stages="1",
              f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
              linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", linear_splits="1,2",
              reps=2, repeats=3, traced=1, compile_threads=2, bandwidth_gib=1 / 32)
@@ -72,9 +79,12 @@ def parse(argv=None):
     p.add_argument("--ks", default="0,7", help="draft lengths; T = 1+k")
     p.add_argument("--contexts", default="8192", help="cached tokens per row (attention)")
     p.add_argument("--pages-per-block", default="4,8,16", help="attention: pages (of 16 tokens) per loop step")
-    p.add_argument("--splits", default="16,32,64", help="attention: KV splits per (request, kv head)")
+    p.add_argument("--splits", default="16,32,64",
+                   help="attention: KV splits per (request, kv head); 'default': the kernel's for the shape")
     p.add_argument("--warps", default="4,8", help="attention: warps per program")
     p.add_argument("--stages", default="1,2,3", help="attention: Triton pipeline stages")
+    p.add_argument("--merges", default="fused,kernel",
+                   help="attention: where the KV splits merge (fused: in the split kernel; kernel: a second launch)")
     p.add_argument("--block-v", default="16,32,64", help="gdn_verify: V columns per program")
     p.add_argument("--gdn-warps", default="2,4", help="gdn_verify, gdn_prefill: warps per program")
     p.add_argument("--prefill-lens", default="512", help="gdn_prefill: tokens per request (T)")
@@ -101,6 +111,9 @@ def parse(argv=None):
     from pallas_kernels.gated_delta.chunk import F32_DOTS
 
     common.check_choices("--f32-dots", args.f32_dots, F32_DOTS, "dot mode")
+    from pallas_kernels.attention.kernel import MERGES
+
+    common.check_choices("--merges", args.merges, MERGES, "merge")
     known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS, *LINEAR_LAYOUTS}
     common.check_choices("--layouts", args.layouts, sorted(known), "layout")
     if max(common.int_list(args.ks)) > kernels.KMAX:
@@ -119,15 +132,19 @@ def _layouts(kernel: str, args) -> dict:
     return {name: table[name] for name in args.layouts.split(",") if name in table}
 
 
-def _attention_configs(args, layout, B: int, context: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.attention.kernel import default_num_splits, default_pages_per_block
+def _attention_configs(args, layout, B: int, T: int, context: int) -> tuple[list[tuple], tuple]:
+    from pallas_kernels.attention.kernel import default_merge, default_num_splits, default_pages_per_block
 
     ppb = default_pages_per_block(kernels.PAGE)
     slots = -(-(context + kernels.KMAX + 1) // kernels.PAGE)
-    default = (ppb, default_num_splits(B, layout[1], slots, ppb), 4, 2)  # paged_attention_pallas' defaults
-    axes = (args.pages_per_block, args.splits, args.warps, args.stages)
-    grid = itertools.product(*(common.int_list(x) for x in axes))
-    return sorted(set(grid) | {default}), default
+    splits = default_num_splits(B, layout[1], slots, ppb)
+    group, head_dim = layout[0] // layout[1], layout[2]
+    default = (ppb, splits, 4, 2, default_merge(splits, T, group, head_dim))  # paged_attention_pallas' defaults
+    split_list = [str(splits) if x == "default" else x for x in args.splits.split(",")]
+    axes = (args.pages_per_block, ",".join(split_list), args.warps, args.stages)
+    grid = {(*c, merge) if c[1] > 1 else (*c, "fused")  # one split: nothing to merge
+            for c in itertools.product(*(common.int_list(x) for x in axes)) for merge in args.merges.split(",")}
+    return sorted(grid | {default}), default
 
 
 def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple], tuple]:
@@ -233,12 +250,12 @@ def _attention_fn(config, scale: float, reps: int, interpret: bool):
 
     from pallas_kernels.attention.kernel import paged_attention_pallas
 
-    ppb, splits, warps, stages = config
+    ppb, splits, warps, stages, merge = config
 
     def run(pages, per, fixed):  # every output returned: no reduction kernels beside the swept ones
         return [paged_attention_pallas(x["q"], pages[0], pages[1], x["tables"], fixed["start"], fixed["nv"],
                                        scale=scale, interpret=interpret, num_splits=splits, pages_per_block=ppb,
-                                       num_warps=warps, num_stages=stages) for x in per[:reps]]
+                                       num_warps=warps, num_stages=stages, merge=merge) for x in per[:reps]]
 
     return jax.jit(run)
 
@@ -306,7 +323,8 @@ def _conv_fn(config, reps: int, interpret: bool):
 
 def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> tuple[float | None, dict]:
     """GPU busy microseconds per kernel call of the swept kernel's own launches, or of every kernel,
-    and the same split by the swept kernel's launch names ((None, {}) off GPU)."""
+    and the same split by the swept kernel's launch names, each launch counted under the first name
+    it holds, and with `every` the rest as "other" ((None, {}) off GPU)."""
     import jax
 
     if jax.default_backend() != "gpu":
@@ -322,7 +340,10 @@ def _busy_us(call, kernel: str, traced: int, reps: int, every: bool = False) -> 
             common.block(out)
         events = [e for e in _kernel_events(trace_dir) if every or any(n in e[0] for n in KERNEL_NAMES[kernel])]
     per_call = 1e3 * traced * reps
-    parts = {n: sum(d for name, _, d in events if n in name) / per_call for n in KERNEL_NAMES[kernel]}
+    names = KERNEL_NAMES[kernel]
+    first = [next((n for n in names if n in name), "other") for name, _, _ in events]
+    parts = {n: sum(d for (_, _, d), f in zip(events, first, strict=True) if f == n) / per_call
+             for n in (*names, "other")}
     return (sum(d for _, _, d in events) / per_call if events else None), {n: us for n, us in parts.items() if us}
 
 
@@ -366,7 +387,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     interpret = jax.default_backend() == "cpu"
     if kernel == "attention":
         state, per, fixed, nbytes, _ = kernels._attn_inputs(rng, layout, B, T, context, args.reps, cache)
-        configs, default = _attention_configs(args, layout, B, context)
+        configs, default = _attention_configs(args, layout, B, T, context)
         make = {c: _attention_fn(c, layout[2] ** -0.5, args.reps, interpret) for c in configs}
     elif kernel == "gdn_prefill":
         _, (state, per, fixed), nbytes, _ = kernels._build("prefill", None, layout, B, T, None, "pallas", args, rng,
@@ -408,7 +429,8 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
         try:
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
-            busy, parts = _busy_us(call, kernel, args.traced, args.reps, every=config == ("xla",))
+            busy, parts = _busy_us(call, kernel, args.traced, args.reps,
+                                   every=config == ("xla",) or kernel == "attention")
             error = _prefill_error(config, prefill_check, interpret) if kernel == "gdn_prefill" else None
         except Exception as e:
             res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
@@ -421,19 +443,20 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 
 def print_tables(res) -> None:
-    fields = {"attention": "pages/step, splits, warps, stages", "gdn_verify(_mixed)": "block_v, warps",
+    fields = {"attention": "pages/step, splits, warps, stages, merge", "gdn_verify(_mixed)": "block_v, warps",
               "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
               "linear": "block_k, block_n, warps, stages, weights kn / nk, splits (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"]))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
               ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
-              fmt(r["busy_us"], 1), " / ".join(fmt(us, 1) for us in r.get("busy_by_kernel_us", {}).values()),
+              fmt(r["busy_us"], 1),
+              " / ".join(f"{SHORT.get(n, n)} {fmt(us, 1)}" for n, us in r.get("busy_by_kernel_us", {}).items()),
               fmt(r["floor_us"], 1), fmt(r["busy_over_floor"]),
               "" if r.get("error") is None else f"{r['error']:.1e}"] for r in rows]
     configs = ", ".join(f"{kernel} {names}" for kernel, names in fields.items())
     print(f"\nkernel sweep (us per call; * = the default; config: {configs}; busy = the kernel's own GPU time, "
-          "none off GPU; busy by launch = the same split by launch name (gdn_prefill: intra / state pass / output); "
+          "none off GPU; busy by launch = the same split by launch name; "
           "error = relative RMS of the prefill output against the reference)")
     print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy",
                                       "busy by launch", "floor", "busy/floor", "error"]))

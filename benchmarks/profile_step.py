@@ -74,7 +74,7 @@ def parse(argv=None):
         args.rows_re = re.compile(args.rows) if args.rows is not None else None
     except re.error as e:
         raise SystemExit(f"--rows {args.rows!r}: not a regular expression: {e}") from None
-    args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
+    args.engine = common.engine_for_context(common.SMOKE_ENGINE if args.smoke else common.ENGINE, args.context)
     for flag, value in (("--batch", args.batch), ("--prefill-rows", max(args.rows_list))):
         if not 1 <= value <= args.engine["max_num_seqs"]:
             raise SystemExit(f"{flag} {value}: takes 1..max_num_seqs={args.engine['max_num_seqs']}")

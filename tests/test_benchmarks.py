@@ -156,7 +156,10 @@ def test_kernel_sweep_smoke(smoke):
     configs = {k: {tuple(r["config"]) for r in rows if r["kernel"] == k}
                for k in ("attention", "gdn_verify", "gdn_verify_mixed")}
     # The grid (pages per step 1, 2 x splits 1, 2) plus the default (4 pages, its own split count).
-    assert {(p, s, 4, 2) for p in (1, 2) for s in (1, 2)} < configs["attention"], configs
+    # one split has nothing to merge (fused only); two splits run both merges
+    want = {(p, 1, 4, 2, "fused") for p in (1, 2)} | {(p, 2, 4, 2, m) for p in (1, 2) for m in ("fused", "kernel")}
+    assert want < configs["attention"], configs
+    assert not {c for c in configs["attention"] if c[1] == 1 and c[4] != "fused"}, configs
     assert configs["gdn_verify"] == configs["gdn_verify_mixed"] == {(16, 4), (32, 4)}, configs
     # chunk 16, V-blocks 16 / 32, 4 warps, 1 stage, IEEE dots; plus the default (chunk 64, 2 stages, TF32)
     prefill = {tuple(r["config"]) for r in rows if r["kernel"] == "gdn_prefill"}
@@ -226,6 +229,20 @@ def test_profile_step_smoke(smoke):
     assert prefill["floor_ms"] == max(prefill["bytes_floor_ms"], prefill["compute_floor_ms"]) > 0
     assert doc["matmul"]["flop_per_s"] > 0
     assert "top kernels" in smoke["stdout"]["profile_step"] and "steady ms" in smoke["stdout"]["profile_step"]
+
+
+def test_profile_step_engine_holds_the_context():
+    """--context past the engine's max_model_len grows it (whole pages, half its length of room
+    after the context), so the block table covers every cached token the floor counts."""
+    from benchmarks import common
+    from benchmarks.profile_step import parse
+
+    assert parse(["--context", "512"]).engine == common.ENGINE  # the default fits: unchanged
+    engine = parse(["--context", "8192"]).engine
+    assert engine["max_model_len"] == 8192 + 512 and engine["max_model_len"] % engine["page_size"] == 0
+    assert {k: v for k, v in engine.items() if k != "max_model_len"} == \
+        {k: v for k, v in common.ENGINE.items() if k != "max_model_len"}
+    assert common.engine_for_context(common.ENGINE, 8190)["max_model_len"] == 8704  # rounded up to a page
 
 
 def test_profile_step_rows_keeps_the_matching_steps():

@@ -9,12 +9,14 @@ for all of them. A request's keys are cut into blocks of
 at run time) are shared out evenly between the `num_splits` programs of that (request, kv head):
 at batch 1 a 512-token context then runs on dozens of programs instead of nKV. Each program runs
 an online softmax in float32 over its blocks and writes its partial result: the running max m,
-the sum l of exp(s - m) and the unnormalised accumulator acc = sum exp(s - m) v. A second kernel
-(`_merge_kernel`, whose XLA form is `combine_splits`) merges them, rescaling each split by
-exp(m_split - m_max), and stores each row straight to its place in the `[R, T, nH, D]` output. A
-split with no live block writes m = MASK_VALUE, l = 0, acc = 0 and drops out of the merge. With
-`num_splits = 1` the program normalises and stores the output itself (no partials, no merge): the
-one-pass kernel.
+the sum l of exp(s - m) and the unnormalised accumulator acc = sum exp(s - m) v. The partials are
+merged as `combine_splits` does (each split rescaled by exp(m_split - m_max)) and each row is
+stored straight to its place in the `[R, T, nH, D]` output, in one of two places
+(`default_merge` picks by the partials' size): "fused", inside the same launch by the last program
+of each (request, kv head) to finish, which an atomic counter tells (`_fused_merge`); "kernel", by
+a second launch (`_merge_kernel`) that spreads the merge over column blocks. A split with no live
+block drops out of the merge (m = MASK_VALUE, l = 0, acc = 0). With `num_splits = 1` the program
+normalises and stores the output itself (no partials, no merge): the one-pass kernel.
 
 The causal mask is per row (row i sees keys `<= start_pos + i // G`). Head dims that are not a
 power of two (Triton tensor sizes) are zero-padded to `Dp` on load inside the kernel (masked loads
@@ -78,7 +80,7 @@ def _attention_kernel(
     bt_ref,  # [P_pad] int32              this request's block table
     start_ref,  # [1] int32               start_pos of this request
     valid_ref,  # [1] int32               num_valid of this request
-    *out_refs,  # one pass: o [R * T * nH, D] (unpacked); split: acc [M, Dp] f32, m [M] f32, l [M] f32
+    *refs,  # see below: the outputs, after the counters' input when the merge is fused
     group: int,
     span: int,
     head_dim: int,
@@ -88,7 +90,13 @@ def _attention_kernel(
     pages_per_block: int,
     num_splits: int,
     scale: float,
+    merge: str,
+    interpret: bool,
 ):
+    """Outputs by path: one pass, o [R * T * nH, D] (unpacked); merge "kernel", this split's
+    partials acc [M, Dp], m [M], l [M] (float32); merge "fused", the counters' input (aliased, not
+    read) then o, the counters [R * nKV] int32 and the partials of every split as rows
+    `[R * nKV * S * Mr (, Dp)]` (`_fused_merge`)."""
     dp = padded_head_dim(head_dim)
     block_k = pages_per_block * page_size
     start, n_valid = start_ref[0], valid_ref[0]
@@ -145,15 +153,87 @@ def _attention_kernel(
     )
     acc, m, denom = jax.lax.fori_loop(first, last, body, init)
     if num_splits == 1:
-        (o_ref,) = out_refs
+        (o_ref,) = refs
         # Rows that saw no key (inert rows) have denom = 0 and acc = 0: write zeros, not NaN.
         o = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
         pltriton.store(o_ref.at[q_rows[:, None], col[None, :]], o, mask=real[:, None] & d_ok)
-    else:
-        acc_ref, m_ref, l_ref = out_refs
+    elif merge == "kernel":
+        acc_ref, m_ref, l_ref = refs
         acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = denom
+    else:
+        _fused_merge(*refs[1:], (acc, m, denom), first < last, n_blocks, group=group, span=span,
+                     head_dim=head_dim, n_heads=n_heads, num_splits=num_splits, barrier=not interpret)
+
+
+# Elements of the [splits, Mr, Dp] float32 tile that the merging program of the fused merge loads
+# at a time (32 KiB: 64 registers a thread at 4 warps).
+FUSED_MERGE_TILE = 8192
+
+
+def _fused_merge(o_ref, count_ref, acc_ref, m_ref, l_ref, partial, live, n_blocks, *, group: int, span: int,
+                 head_dim: int, n_heads: int, num_splits: int, barrier: bool):
+    """The split-KV merge inside the split kernel: the last program of a (request, kv head) to
+    finish merges every split's partials and stores the output, so one launch does it all.
+
+    Each program with live blocks stores its partials (the span's Mr = pow2(T * G) real rows, not
+    the M-row tile) to rows `((i * nKV + h) * S + s) * Mr + row`; then every program of the pair,
+    live or not, adds one to the pair's counter (`count_ref`, zeros at the launch). The barrier
+    before the add orders the whole program's stores before it, and the add is acquire-release at
+    GPU scope, so the program that reads S - 1 sees every other split's partials. It merges them as
+    `combine_splits` does, loading only the live splits (split s has blocks iff s * per_split <
+    n_blocks; the rest never stored)."""
+    acc, m, denom = partial
+    m_rows, dp = acc.shape
+    pair = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+    n_splits = pl.num_programs(2)
+    mr = m_ref.shape[0] // (count_ref.shape[0] * n_splits)
+    real_rows = span * group
+    row = jnp.arange(m_rows, dtype=jnp.int32)
+    col = jnp.arange(dp, dtype=jnp.int32)
+    d_ok = (col < head_dim)[None, :]
+    n_part = m_ref.shape[0]
+    base = pair * n_splits * mr  # first partial row of this (request, kv head)
+    mine = jnp.where(row < real_rows, base + pl.program_id(2) * mr + row, n_part)  # pad rows: one past the end
+    o_rows, o_real = _span_rows(span, group, n_heads, mr, o_ref.shape[0])  # program ids outside the branches
+
+    @pl.when(live)
+    def _store_partials():
+        row_ok = row < real_rows
+        pltriton.store(acc_ref.at[mine[:, None], col[None, :]], acc, mask=row_ok[:, None] & d_ok)
+        pltriton.store(m_ref.at[mine], m, mask=row_ok)
+        pltriton.store(l_ref.at[mine], denom, mask=row_ok)
+
+    if barrier:  # the interpreter runs programs one after the other (and has no barrier)
+        pltriton.debug_barrier()
+    arrived = pltriton.atomic_add(count_ref, pair, jnp.ones((), jnp.int32))
+
+    @pl.when(arrived == n_splits - 1)
+    def _merge():
+        # combine_splits over the live splits: the maxima first, then the accumulators in chunks
+        # whose loads do not wait on each other (an online merge over chunks measured slower).
+        per_split = pl.cdiv(n_blocks, num_splits)
+        r = jnp.arange(mr, dtype=jnp.int32)
+
+        def live_rows(s):  # partial rows [len(s), Mr] of splits s, and which hold a live split's real row
+            return base + s[:, None] * mr + r[None, :], (s * per_split < n_blocks)[:, None] & (r < real_rows)[None, :]
+
+        rows, ok = live_rows(jnp.arange(n_splits, dtype=jnp.int32))
+        m_max = pltriton.load(m_ref.at[rows], mask=ok, other=MASK_VALUE).max(axis=0)  # [Mr]
+        chunk = max(1, min(n_splits, FUSED_MERGE_TILE // (mr * dp)))
+        total = jnp.zeros((mr,), jnp.float32)
+        out = jnp.zeros((mr, dp), jnp.float32)
+        for c in range(n_splits // chunk):
+            rows, ok = live_rows(c * chunk + jnp.arange(chunk, dtype=jnp.int32))
+            w = jnp.where(ok, jnp.exp(pltriton.load(m_ref.at[rows], mask=ok, other=MASK_VALUE) - m_max[None, :]), 0.0)
+            total = total + (w * pltriton.load(l_ref.at[rows], mask=ok, other=0.0)).sum(axis=0)
+            acc_c = pltriton.load(acc_ref.at[rows[:, :, None], col[None, None, :]], mask=ok[:, :, None] & d_ok[None],
+                                  other=0.0)
+            out = out + (w[:, :, None] * acc_c).sum(axis=0)
+        out = out / jnp.where(total > 0, total, 1.0)[:, None]
+        pltriton.store(o_ref.at[o_rows[:, None], col[None, :]], out.astype(o_ref.dtype),
+                       mask=o_real[:, None] & d_ok)
 
 
 def combine_splits(
@@ -206,6 +286,24 @@ def _merge_splits(partials, out_shape, *, group, span, head_dim, interpret, num_
         name="paged_span_attention_merge",
     )
     return call(acc, m, denom)
+
+
+MERGES = ("fused", "kernel")
+# The fused merge's last program reads every split's partials alone, while the merge kernel spreads
+# them over (request, kv head, column block) programs: fused wins while the partials of one (request,
+# kv head) are small. Measured on one H100 (jax 0.11.2, bfloat16, batch 1, us of GPU time per call,
+# fused / kernel at the same splits): Qwen3-4B heads, T = 1 (32 splits x 4 rows x 128 = 16K
+# elements) 18.9 / 20.3 at 8k cached tokens, 50.3 / 52.3 at 32k; Qwen3.5-2B heads, T = 1 (64 x 4 x
+# 256 = 64K) 15.6 / 15.0 at 8k; Qwen3-4B heads, T = 8 (32 x 32 x 128 = 128K, a merge variant that
+# rescaled chunk by chunk) 63.6 / 25.9. docs/benchmarks.md has the tables.
+FUSED_MERGE_MAX = 16384
+
+
+def default_merge(num_splits: int, span: int, group: int, head_dim: int) -> str:
+    """Where the KV splits merge: "fused" while one (request, kv head)'s partials (splits x
+    pow2(T * G) rows x padded head dim) hold at most FUSED_MERGE_MAX elements, else "kernel"."""
+    elements = pl.next_power_of_2(num_splits) * pl.next_power_of_2(span * group) * padded_head_dim(head_dim)
+    return "fused" if elements <= FUSED_MERGE_MAX else "kernel"
 
 
 def _check_shapes(q, k_pages, pages_per_block):
@@ -262,11 +360,15 @@ def paged_attention_pallas(
     pages_per_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    merge: str | None = None,
 ) -> jax.Array:
     """Pallas paged attention; same contract as `reference.paged_attention`.
 
     Returns `[R, T, nH, D]` in `q.dtype`. `num_splits` (static) is the number of KV splits per
     (request, kv head): None picks `default_num_splits`, 1 is the one-pass kernel (no merge).
+    `merge` says where the splits are merged: "fused", by the last split of each (request, kv
+    head) inside the one launch (`_fused_merge`); "kernel", by a second launch (`_merge_splits`);
+    None picks `default_merge`.
     `pages_per_block` (static, power of two) sets how many pages one loop step reads; it defaults
     to 64 keys per step. `interpret=True` runs the kernel body through the Pallas interpreter
     (required on CPU). Any head dim works (padded to a power of two >= 16 inside).
@@ -275,8 +377,11 @@ def paged_attention_pallas(
     n_pages, page_size, nkv, _ = k_pages.shape
     pages_per_block = pages_per_block or default_pages_per_block(page_size)
     _check_shapes(q, k_pages, pages_per_block)
+    if merge not in (None, *MERGES):
+        raise ValueError(f"{merge=} must be one of {MERGES} or None")
     n_slots = block_tables.shape[1]
     num_splits = num_splits or default_num_splits(r, nkv, n_slots, pages_per_block)
+    merge = merge or default_merge(num_splits, span, nh // nkv, d)
     m_rows = max(MIN_DOT, pl.next_power_of_2(span * (nh // nkv)))
     dp = padded_head_dim(d)
     # The partials' split axis is a power of two (the merge takes it whole); programs past
@@ -293,14 +398,49 @@ def paged_attention_pallas(
         pages_per_block=pages_per_block,
         num_splits=num_splits,
         scale=scale,
+        merge=merge,
+        interpret=interpret,
     )
     flat = (n_pages * page_size, nkv * d)
     pool_spec = pl.BlockSpec(flat, lambda i, h, s: (0, 0))
     unpacked = jax.ShapeDtypeStruct((r * span * nh, d), q.dtype)  # q and o as rows, a free reshape
     unpacked_spec = pl.BlockSpec(unpacked.shape, lambda i, h, s: (0, 0))
+    in_specs = [
+        unpacked_spec,  # q as [R * T * nH, D]
+        pool_spec,  # k_pages as [N * page_size, nKV * D]
+        pool_spec,  # v_pages
+        pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, s: (i, 0)),  # block_tables
+        pl.BlockSpec((1,), lambda i, h, s: (i,)),  # start_pos
+        pl.BlockSpec((1,), lambda i, h, s: (i,)),  # num_valid
+    ]
+    args = [
+        q.reshape(unpacked.shape),
+        k_pages.reshape(flat),
+        v_pages.reshape(flat),
+        block_tables.astype(jnp.int32),
+        start_pos.astype(jnp.int32),
+        num_valid.astype(jnp.int32),
+    ]
+    aliases = {}
+    fused = num_splits > 1 and merge == "fused"
     if num_splits == 1:
         out_specs = unpacked_spec
         out_shape = unpacked
+    elif fused:
+        n_part = r * nkv * grid_splits * pl.next_power_of_2(span * (nh // nkv))  # partial rows
+        counters = jax.ShapeDtypeStruct((r * nkv,), jnp.int32)
+        whole = lambda shape: pl.BlockSpec(shape, lambda i, h, s: (0,) * len(shape))  # noqa: E731
+        in_specs.append(whole(counters.shape))
+        args.append(jnp.zeros(counters.shape, counters.dtype))
+        aliases = {len(args) - 1: 1}
+        out_shape = [
+            unpacked,
+            counters,
+            jax.ShapeDtypeStruct((n_part, dp), jnp.float32),  # acc
+            jax.ShapeDtypeStruct((n_part,), jnp.float32),  # m
+            jax.ShapeDtypeStruct((n_part,), jnp.float32),  # l
+        ]
+        out_specs = [whole(o.shape) for o in out_shape]
     else:
         out_specs = [
             pl.BlockSpec((None, None, None, m_rows, dp), lambda i, h, s: (i, h, s, 0, 0)),  # acc
@@ -315,30 +455,19 @@ def paged_attention_pallas(
     call = pl.pallas_call(
         kernel,
         grid=(r, nkv, grid_splits),
-        in_specs=[
-            unpacked_spec,  # q as [R * T * nH, D]
-            pool_spec,  # k_pages as [N * page_size, nKV * D]
-            pool_spec,  # v_pages
-            pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, s: (i, 0)),  # block_tables
-            pl.BlockSpec((1,), lambda i, h, s: (i,)),  # start_pos
-            pl.BlockSpec((1,), lambda i, h, s: (i,)),  # num_valid
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_span_attention" if num_splits == 1 else "paged_span_attention_split",
     )
     with ignore_triton_deprecation():
-        out = call(
-            q.reshape(unpacked.shape),
-            k_pages.reshape(flat),
-            v_pages.reshape(flat),
-            block_tables.astype(jnp.int32),
-            start_pos.astype(jnp.int32),
-            num_valid.astype(jnp.int32),
-        )
-        if num_splits > 1:
+        out = call(*args)
+        if fused:
+            out = out[0]
+        elif num_splits > 1:
             out = _merge_splits(out, unpacked, group=nh // nkv, span=span, head_dim=d, interpret=interpret,
                                 num_warps=num_warps)
     return out.reshape(r, span, nh, d)

@@ -14,6 +14,7 @@ from pallas_kernels.attention.kernel import (
     MIN_DOT,
     _merge_splits,
     combine_splits,
+    default_merge,
     default_num_splits,
     padded_head_dim,
     paged_attention_pallas,
@@ -171,6 +172,8 @@ def pallas_vs_reference(
     starts=(5, 13),
     valids=None,
     num_splits=None,
+    merge="fused",
+    repeat=1,
 ):
     span = 1 + k
     valids = valids or [span] + [max(1, span - 2)] * (len(starts) - 1)
@@ -188,8 +191,11 @@ def pallas_vs_reference(
     step = written_step(args)
     scale = head_dim**-0.5
     want = reference.paged_attention(*step, scale=scale)
-    got = paged_attention_pallas(*step, scale=scale, interpret=interpret, pages_per_block=pages_per_block,
-                                 num_splits=num_splits)
+    fn = jax.jit(functools.partial(paged_attention_pallas, scale=scale, interpret=interpret,
+                                   pages_per_block=pages_per_block, num_splits=num_splits, merge=merge))
+    got = fn(*step)
+    for _ in range(repeat - 1):  # the fused merge's counters and partials: no race changes a bit
+        np.testing.assert_array_equal(np.asarray(fn(*step).astype(jnp.float32)), np.asarray(got.astype(jnp.float32)))
     assert got.shape == want.shape and got.dtype == want.dtype
     assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
     assert not np.asarray(got[-1].astype(jnp.float32)).any(), "padding row must give zeros"
@@ -241,6 +247,19 @@ def test_split_kv_interpret_float32(span, group, splits):
 def test_split_kv_interpret_bfloat16(span, group, splits):
     pallas_vs_reference(8, k=span - 1, group=group, page_size=16, pages_per_block=1, dtype=jnp.bfloat16,
                         interpret=True, starts=SPLIT_STARTS, num_splits=splits)
+
+
+@pytest.mark.parametrize(("span", "group", "splits"), [(2, 2, 4), (1, 4, 9)], ids=lambda x: str(x))
+def test_split_kv_merge_kernel_interpret(span, group, splits):
+    """merge="kernel": the partials of every split go out and a second launch merges them."""
+    pallas_vs_reference(7, k=span - 1, group=group, page_size=16, pages_per_block=1, dtype=jnp.float32,
+                        interpret=True, starts=SPLIT_STARTS, num_splits=splits, merge="kernel")
+
+
+def test_merge_is_checked():
+    args, _ = make_case(4, span=2, n_heads=4, page_size=16, starts=[3], valids=[2], dtype=jnp.float32, **CASE)
+    with pytest.raises(ValueError, match=r"merge='tree' must be one of \('fused', 'kernel'\) or None"):
+        paged_attention_pallas(*written_step(args), scale=0.25, interpret=True, merge="tree")
 
 
 def test_one_pass_interpret():
@@ -313,6 +332,17 @@ def test_default_num_splits():
     assert default_num_splits(1, 1, 10**6, 4, sm_count=132) == 64  # capped
 
 
+def test_default_merge():
+    """Fused while one (request, kv head)'s partials (splits x pow2(T * G) x padded D) are <= 16K
+    elements, else the merge kernel."""
+    assert default_merge(32, 1, 4, 128) == "fused"  # Qwen3-4B heads, decode, 32 splits: 16K
+    assert default_merge(64, 1, 4, 128) == "kernel"  # 32K
+    assert default_merge(64, 1, 4, 256) == "kernel"  # Qwen3.5-2B heads: 64K
+    assert default_merge(32, 8, 4, 128) == "kernel"  # verify k = 7: 128K
+    assert default_merge(4, 8, 4, 128) == "fused"  # batch 8's 4 splits
+    assert default_merge(3, 1, 3, 24) == "fused"  # padded: 4 x 4 x 32
+
+
 def test_api_dispatch():
     args, _ = make_case(4, span=2, n_heads=4, page_size=16, starts=[3], valids=[2], dtype=jnp.float32, **CASE)
     step = written_step(args)
@@ -350,6 +380,14 @@ class TestPallasGPU:
         """Split-KV over long and short rows (one row of 4000 keys, one shorter than a split)."""
         pallas_vs_reference(11, k=span - 1, group=group, n_kv=4, head_dim=128, page_size=16, dtype=dtype,
                             interpret=False, starts=(4000, 5, 700), num_splits=splits)
+
+    @pytest.mark.parametrize("merge", ["fused", "kernel"])
+    @pytest.mark.parametrize(("span", "splits"), [(1, 64), (8, 32)])
+    def test_merge_paths_repeat_bitwise(self, merge, span, splits):
+        """Both merges over rows of 8000, 3000 and 40 keys, 64 splits (most of a short row's splits
+        empty), 20 calls: a race between the last split and the others would change bits."""
+        pallas_vs_reference(13, k=span - 1, group=4, n_kv=8, head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                            interpret=False, starts=(8000, 3000, 40), num_splits=splits, merge=merge, repeat=20)
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     @pytest.mark.parametrize(("head_dim", "group"), [(256, 6), (24, 2), (48, 4), (80, 1)])
