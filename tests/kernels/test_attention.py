@@ -256,6 +256,24 @@ def test_split_kv_merge_kernel_interpret(span, group, splits):
                         interpret=True, starts=SPLIT_STARTS, num_splits=splits, merge="kernel")
 
 
+def test_fused_merge_is_one_launch():
+    """Decode-sized spans merge inside the split kernel (one pallas_call); merge="kernel" and
+    verify-sized spans on the same heads add the merge launch."""
+    from tests.jaxprs import pallas_calls
+
+    nh, nkv, D, page, P = 32, 8, 128, 16, 64
+    pool = jnp.zeros((8, page, nkv, D), jnp.bfloat16)
+    rest = (jnp.zeros((1, P), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
+
+    def calls(T, **kw):
+        fn = functools.partial(paged_attention_pallas, scale=0.1, interpret=True, num_splits=16, **kw)
+        return pallas_calls(fn, jnp.zeros((1, T, nh, D), jnp.bfloat16), pool, pool, *rest)
+
+    assert default_merge(16, 1, nh // nkv, D) == "fused" and calls(1) == 1
+    assert calls(1, merge="kernel") == 2
+    assert default_merge(16, 8, nh // nkv, D) == "kernel" and calls(8) == 2
+
+
 def test_merge_is_checked():
     args, _ = make_case(4, span=2, n_heads=4, page_size=16, starts=[3], valids=[2], dtype=jnp.float32, **CASE)
     with pytest.raises(ValueError, match=r"merge='tree' must be one of \('fused', 'kernel'\) or None"):
