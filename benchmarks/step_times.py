@@ -72,7 +72,7 @@ def parse(argv=None):
     args = common.parse_args(p, argv, SMOKE)
     if args.moe_paths != "none":
         common.check_choices("--moe-paths", args.moe_paths, MOE_PATHS, "path")
-    args.engine = common.SMOKE_ENGINE if args.smoke else common.ENGINE
+    args.engine = common.engine_for_context(common.SMOKE_ENGINE if args.smoke else common.ENGINE, args.context)
     for name, values in (("--batches", common.int_list(args.batches)), ("--ks", common.int_list(args.ks))):
         if not values:
             raise SystemExit(f"{name} is empty")
@@ -80,8 +80,6 @@ def parse(argv=None):
         raise SystemExit(f"--batches {args.batches}: at most max_num_seqs={args.engine['max_num_seqs']}")
     if max(common.int_list(args.ks)) > args.engine["max_num_speculative_tokens"]:
         raise SystemExit(f"--ks {args.ks}: at most k_max={args.engine['max_num_speculative_tokens']}")
-    if args.context + 16 > args.engine["max_model_len"]:
-        raise SystemExit(f"--context {args.context} leaves no room in max_model_len={args.engine['max_model_len']}")
     return args
 
 

@@ -232,8 +232,9 @@ def test_profile_step_smoke(smoke):
 
 
 def test_profile_step_engine_holds_the_context():
-    """--context past the engine's max_model_len grows it (whole pages, half its length of room
-    after the context), so the block table covers every cached token the floor counts."""
+    """profile_step / step_times: --context past the engine's max_model_len grows it (whole pages,
+    half its length of room after the context), so the block table covers every cached token the
+    floor counts."""
     from benchmarks import common
     from benchmarks.profile_step import parse
 
@@ -243,6 +244,9 @@ def test_profile_step_engine_holds_the_context():
     assert {k: v for k, v in engine.items() if k != "max_model_len"} == \
         {k: v for k, v in common.ENGINE.items() if k != "max_model_len"}
     assert common.engine_for_context(common.ENGINE, 8190)["max_model_len"] == 8704  # rounded up to a page
+    from benchmarks.step_times import parse as step_times_parse
+
+    assert step_times_parse(["--context", "8192"]).engine == engine  # step_times sizes its engine alike
 
 
 def test_profile_step_rows_keeps_the_matching_steps():
