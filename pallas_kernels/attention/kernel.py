@@ -384,8 +384,8 @@ def paged_attention_pallas(
     merge = merge or default_merge(num_splits, span, nh // nkv, d)
     m_rows = max(MIN_DOT, pl.next_power_of_2(span * (nh // nkv)))
     dp = padded_head_dim(d)
-    # The partials' split axis is a power of two (the merge takes it whole); programs past
-    # num_splits own no block and write empty partials, which merge as nothing.
+    # The partials' split axis is a power of two (the merges take it whole); programs past
+    # num_splits own no block: empty partials for the merge kernel, skipped by the fused merge.
     grid_splits = pl.next_power_of_2(num_splits)
     kernel = functools.partial(
         _attention_kernel,
