@@ -140,10 +140,10 @@ def _attention_configs(args, layout, B: int, T: int, context: int) -> tuple[list
     splits = default_num_splits(B, layout[1], slots, ppb)
     group, head_dim = layout[0] // layout[1], layout[2]
     default = (ppb, splits, 4, 2, default_merge(splits, T, group, head_dim))  # paged_attention_pallas' defaults
-    split_list = [str(splits) if x == "default" else x for x in args.splits.split(",")]
-    axes = (args.pages_per_block, ",".join(split_list), args.warps, args.stages)
-    grid = {(*c, merge) if c[1] > 1 else (*c, "fused")  # one split: nothing to merge
-            for c in itertools.product(*(common.int_list(x) for x in axes)) for merge in args.merges.split(",")}
+    split_counts = [splits if x == "default" else int(x) for x in args.splits.split(",") if x.strip()]
+    axes = (common.int_list(args.pages_per_block), split_counts, common.int_list(args.warps),
+            common.int_list(args.stages), args.merges.split(","))
+    grid = {c if c[1] > 1 else (*c[:4], "fused") for c in itertools.product(*axes)}  # one split: nothing to merge
     return sorted(grid | {default}), default
 
 

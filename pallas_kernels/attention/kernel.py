@@ -188,8 +188,8 @@ def _fused_merge(o_ref, count_ref, acc_ref, m_ref, l_ref, partial, live, n_block
     m_rows, dp = acc.shape
     pair = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
     n_splits = pl.num_programs(2)
-    mr = m_ref.shape[0] // (count_ref.shape[0] * n_splits)
     real_rows = span * group
+    mr = pl.next_power_of_2(real_rows)  # partial rows per split
     row = jnp.arange(m_rows, dtype=jnp.int32)
     col = jnp.arange(dp, dtype=jnp.int32)
     d_ok = (col < head_dim)[None, :]
