@@ -87,6 +87,8 @@ def parse(argv=None):
                    help="attention: where the KV splits merge (fused: in the split kernel; kernel: a second launch)")
     p.add_argument("--block-v", default="16,32,64", help="gdn_verify: V columns per program")
     p.add_argument("--gdn-warps", default="2,4", help="gdn_verify, gdn_prefill: warps per program")
+    p.add_argument("--gdn-forms", default="sequential,chunk",
+                   help="gdn_verify: how a program walks the span (token by token, or in chunk form)")
     p.add_argument("--prefill-lens", default="512", help="gdn_prefill: tokens per request (T)")
     p.add_argument("--chunks", default="16,64", help="gdn_prefill: tokens per chunk")
     p.add_argument("--prefill-stages", default="1,2", help="gdn_prefill: Triton pipeline stages")
@@ -114,6 +116,9 @@ def parse(argv=None):
     from pallas_kernels.attention.kernel import MERGES
 
     common.check_choices("--merges", args.merges, MERGES, "merge")
+    from pallas_kernels.gated_delta.recurrent import FORMS
+
+    common.check_choices("--gdn-forms", args.gdn_forms, FORMS, "form")
     known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS, *LINEAR_LAYOUTS}
     common.check_choices("--layouts", args.layouts, sorted(known), "layout")
     if max(common.int_list(args.ks)) > kernels.KMAX:
@@ -148,12 +153,13 @@ def _attention_configs(args, layout, B: int, T: int, context: int) -> tuple[list
 
 
 def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.gated_delta.recurrent import default_block_v, mixed_fits
+    from pallas_kernels.gated_delta.recurrent import default_block_v, default_form, mixed_fits
 
     dk, dv = layout[2:]
-    default = (default_block_v(B, layout[1], dv, T), 4)
+    default = (default_block_v(B, layout[1], dv, T), 4, default_form(T))
     fits = (lambda bv: mixed_fits(dk, dv, bv)) if mixed else (lambda bv: dv % bv == 0)
-    grid = [(bv, w) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps) if fits(bv)]
+    grid = [(bv, w, f) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps)
+            for f in args.gdn_forms.split(",") if fits(bv)]
     return sorted(set(grid) | {default}), default
 
 
@@ -265,8 +271,8 @@ def _gdn_fn(config, reps: int, interpret: bool, mixed: bool):
 
     from pallas_kernels.gated_delta.recurrent import gdn_verify_mixed_pallas, gdn_verify_pallas
 
-    block_v, warps = config
-    launch = dict(interpret=interpret, block_v=block_v, num_warps=warps)
+    block_v, warps, form = config
+    launch = dict(interpret=interpret, block_v=block_v, num_warps=warps, form=form)
 
     def run(pool, per, fixed):
         outs = []
@@ -443,7 +449,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 
 def print_tables(res) -> None:
-    fields = {"attention": "pages/step, splits, warps, stages, merge", "gdn_verify(_mixed)": "block_v, warps",
+    fields = {"attention": "pages/step, splits, warps, stages, merge", "gdn_verify(_mixed)": "block_v, warps, form",
               "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
               "linear": "block_k, block_n, warps, stages, weights kn / nk, splits (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,

@@ -62,6 +62,9 @@ def parse(argv=None):
     p.add_argument("--fused-projections", action="store_true",
                    help="run the decoder layers' projections through the fused Pallas kernel "
                         "(jaxspec.models.layers.FUSED_KERNEL, off by default; docs/architecture.md)")
+    p.add_argument("--gdn-chunk-from", type=int, default=None, metavar="T",
+                   help="run GDN verify spans of T tokens and more (powers of two) in chunk form "
+                        "(pallas_kernels.gated_delta.recurrent.CHUNK_MIN_T; docs/model_math.md)")
     p.add_argument("--rows", default=None, metavar="REGEX",
                    help="profile only the steps whose label matches this regular expression (re.search; "
                         "default: all)")
@@ -159,6 +162,10 @@ def main(argv=None) -> int:
         from jaxspec.models import layers as model_layers
 
         model_layers.FUSED_KERNEL = True
+    if args.gdn_chunk_from is not None:
+        from pallas_kernels.gated_delta import recurrent
+
+        recurrent.CHUNK_MIN_T = args.gdn_chunk_from
     name = common.shape_names(args.shapes, ("demo-qwen3.5",) if args.smoke else ("qwen3-4b",))[0]
     layers = common.parse_layers(args.layers, [name])[name]
     hf = common.shape_config(name, layers)

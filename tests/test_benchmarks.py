@@ -160,7 +160,8 @@ def test_kernel_sweep_smoke(smoke):
     want = {(p, 1, 4, 2, "fused") for p in (1, 2)} | {(p, 2, 4, 2, m) for p in (1, 2) for m in ("fused", "kernel")}
     assert want < configs["attention"], configs
     assert not {c for c in configs["attention"] if c[1] == 1 and c[4] != "fused"}, configs
-    assert configs["gdn_verify"] == configs["gdn_verify_mixed"] == {(16, 4), (32, 4)}, configs
+    assert configs["gdn_verify"] == configs["gdn_verify_mixed"] == {(bv, 4, form) for bv in (16, 32)
+                                                                     for form in ("sequential", "chunk")}, configs
     # chunk 16, V-blocks 16 / 32, 4 warps, 1 stage, IEEE dots; plus the default (chunk 64, 2 stages, TF32)
     prefill = {tuple(r["config"]) for r in rows if r["kernel"] == "gdn_prefill"}
     assert prefill == {(16, 16, 4, 1, "ieee"), (16, 32, 4, 1, "ieee"), (64, 32, 4, 2, "tf32")}, prefill

@@ -6,7 +6,9 @@ the `[dk, BV]` float32 tile of the start state in registers and runs the T = 1+k
 
     h <- exp(g_t) h ;  h <- h + k_t (beta_t (v_t - h^T k_t))^T ;  o_t = h^T q_t
 
-then stores o_t and the snapshot h -> pool[write_idx[b, t]]. The start tile is loaded from
+then stores o_t and the snapshot h -> pool[write_idx[b, t]] (`form="sequential"`), or computes the
+same outputs and snapshots from the span at once (`form="chunk"`, `_chunk`, docs/model_math.md#verify-
+span-in-chunk-form). The start tile is loaded from
 pool[read_idx[b]] before any store (the read slot is one of the write slots), and the pool is
 updated in place through `input_output_aliases` (the engine donates it). Every product here is a
 matrix-vector one, so the kernel uses broadcasts and float32 reductions, no tensor-core dots:
@@ -48,6 +50,50 @@ def _recur(h, tokens, o_ref, pool_out_ref, write_ref):
         pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
 
 
+def _mm(a, b):
+    """[M, K] @ [K, N] as a broadcast product and a float32 reduction: the span's matrices have T
+    (< 16, the smallest tensor-core tile) rows."""
+    return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+def _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier: bool):
+    """The same T steps in chunk form (docs/model_math.md#verify-span-in-chunk-form): no reduction
+    waits on the state chain.
+
+    span = (Q, K, V, g, beta, scale): [T, dk], [T, dk], [T, BV], [T], [T], [T] in float32 (q, k
+    normalised, zero for inert tokens; K = scale * k as loaded). rows(t) -> (k_t, g_t): token t's k
+    as loaded (zero if inert) and its log decay, for the snapshot chain. With G the inclusive
+    cumulative sum of g and D[t, s] = exp(G_t - G_s) for s <= t, the per-token writes
+    u_t = beta_t (v_t - pred_t) solve the unit lower triangular system
+    (I + A) U = beta (V - exp(G) K h0), A[t, s] = beta_t D[t, s] k_t.k_s (s < t); the readout is
+    O = exp(G) Q h0 + (D * Q K^T) U, and the snapshots are the elementwise chain
+    h_t = exp(g_t) h_{t-1} + k_t u_t^T. The u_t reach that chain through o (stored, then read back
+    row by row after a barrier) before o receives the readout."""
+    Q, K, V, g, beta, scale = span
+    T = Q.shape[0]
+    t_idx = jnp.arange(T)
+    row, col = t_idx[:, None], t_idx[None, :]
+    G = jnp.sum(jnp.where(col <= row, g[None, :], 0.0), axis=1)
+    D = jnp.exp(jnp.where(col <= row, G[:, None] - G[None, :], -jnp.inf))  # [T, T], zero above the diagonal
+    A = jnp.where(col < row, beta[:, None] * D * jnp.sum(K[:, None, :] * K[None, :, :], axis=2), 0.0)
+    inv = reference.unit_lower_inverse(A, matmul=_mm)  # (I + A)^-1 by block doubling, as the prefill
+    decayed = jnp.exp(G)[:, None]
+    U = _mm(inv, beta[:, None] * (V - decayed * jnp.sum(K[:, :, None] * h[None, :, :], axis=1)))  # [T, BV]
+    qk = jnp.sum(Q[:, None, :] * K[None, :, :], axis=2)  # [T, T]
+    readout = decayed * jnp.sum(Q[:, :, None] * h[None, :, :], axis=1) + _mm(D * qk, U)
+    chain = [rows(t) for t in range(T)]
+    o_ref[...] = (U * scale[:, None]).astype(o_ref.dtype)  # k_t u_t^T = (k as loaded) (scale_t u_t)^T
+    if barrier:  # every row of U is stored before any thread reads one back
+        pltriton.debug_barrier()
+    writes = [o_ref[t].astype(F32) for t in range(T)]
+    if barrier:  # every thread holds its rows before the readout overwrites them
+        pltriton.debug_barrier()
+    o_ref[...] = readout.astype(o_ref.dtype)
+    for t, (k, g_t) in enumerate(chain):
+        h = h * jnp.exp(g_t) + k[:, None] * writes[t][None, :]
+        pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
+
+
 def _start(pool_ref, read_ref, has_ref, barrier: bool):
     """The start tile pool[read] in float32 (zeros without a state), held before any snapshot is stored."""
     h = pool_ref[read_ref[0]].astype(F32)  # [dk, BV]
@@ -72,6 +118,7 @@ def _verify_kernel(
     pool_out_ref,  # [S, dk, BV] the same pool buffer (aliased), receives the snapshots
     *,
     barrier: bool,
+    form: str,
 ):
     h = _start(pool_ref, read_ref, has_ref, barrier)
 
@@ -79,7 +126,14 @@ def _verify_kernel(
         live = t < valid_ref[0]
         return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
 
-    _recur(h, [token(t) for t in range(q_ref.shape[0])], o_ref, pool_out_ref, write_ref)
+    T = q_ref.shape[0]
+    if form == "chunk":
+        live = jnp.arange(T) < valid_ref[0]
+        span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
+        span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
+        _chunk(h, (*span, jnp.ones((T,), F32)), lambda t: token(t)[1:4:2], o_ref, pool_out_ref, write_ref, barrier)
+    else:
+        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
 
 
 def _verify_mixed_kernel(
@@ -93,24 +147,40 @@ def _verify_mixed_kernel(
     pool_ref, read_ref, write_ref, has_ref, valid_ref, o_ref, pool_out_ref,  # as _verify_kernel
     *,
     barrier: bool,
+    form: str,
 ):
     h = _start(pool_ref, read_ref, has_ref, barrier)
-    dk = q_ref.shape[1]
+    T, dk = q_ref.shape
     decay = -jnp.exp(a_log_ref[0].astype(F32))
     dt_bias = dt_bias_ref[0].astype(F32)
 
-    def l2norm(x):  # reference.l2norm of a [dk] row
-        return x * jax.lax.rsqrt(jnp.sum(x * x) + 1e-6)
+    def gates(a, b, live):  # reference.gates of raw a / b (scalars or [T]), zero where inert
+        x = a.astype(F32) + dt_bias
+        g = jnp.where(live, decay * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))), 0.0)  # softplus
+        return g, jnp.where(live, 1.0 / (1.0 + jnp.exp(-b.astype(F32))), 0.0)  # sigmoid
+
+    def inverse_norm(x, axis):  # 1 / |x| along axis, as reference.l2norm
+        return jax.lax.rsqrt(jnp.sum(x * x, axis=axis) + 1e-6)
 
     def token(t):  # reference.gdn_inputs for token t, zero for an inert token
         live = t < valid_ref[0]
-        q, k, v, a, b = (jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, a_ref, b_ref))
-        x = a + dt_bias
-        g = jnp.where(live, decay * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))), 0.0)  # softplus
-        beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-b)), 0.0)  # sigmoid
-        return l2norm(q) * dk ** -0.5, l2norm(k), v, g, beta
+        q, k, v = (jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
+        return q * (inverse_norm(q, 0) * dk ** -0.5), k * inverse_norm(k, 0), v, *gates(a_ref[t], b_ref[t], live)
 
-    _recur(h, [token(t) for t in range(q_ref.shape[0])], o_ref, pool_out_ref, write_ref)
+    if form == "chunk":
+        live = jnp.arange(T) < valid_ref[0]
+        q, k, v = (jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
+        scale = inverse_norm(k, 1)
+        span = (q * (inverse_norm(q, 1) * dk ** -0.5)[:, None], k * scale[:, None], v,
+                *gates(a_ref[...], b_ref[...], live), scale)
+
+        def rows(t):  # k_t as loaded and g_t
+            live_t = t < valid_ref[0]
+            return jnp.where(live_t, k_ref[t].astype(F32), 0.0), gates(a_ref[t], b_ref[t], live_t)[0]
+
+        _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier)
+    else:
+        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
 
 
 # V-block width: 32 columns; 64 once the grid has this many programs at 64 columns; 16 for a verify
@@ -132,6 +202,17 @@ def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
     return min(32, dv)
 
 
+# How a program walks a verify span: token by token, or in chunk form (`_chunk`) from this many tokens
+# on. Until the chunk form is timed against the sequential one on a GPU, every span runs sequentially.
+FORMS = ("sequential", "chunk")
+CHUNK_MIN_T = None
+
+
+def default_form(t: int) -> str:
+    """The form for spans of t tokens (the chunk form needs t a power of two)."""
+    return "chunk" if CHUNK_MIN_T is not None and t >= CHUNK_MIN_T and is_pow2(t) else "sequential"
+
+
 def _check(q, v, pool, block_v: int):
     hk, dk = q.shape[2:]
     hv, dv = v.shape[2:]
@@ -143,17 +224,23 @@ def _check(q, v, pool, block_v: int):
         raise ValueError(f"{dk=} and {block_v=} must be powers of two, block_v dividing {dv=} (Triton tiles)")
 
 
-def _call(kernel, inputs, in_specs, pool, step, *, grid, o_shape, block_v: int, num_warps: int, interpret: bool,
-          name: str):
+def _call(kernel, inputs, in_specs, pool, step, *, grid, o_shape, block_v: int, num_warps: int, form: str | None,
+          interpret: bool, name: str):
     """The verify pallas_call: `inputs` with their `in_specs`, then the pool and the step scalars
     (read_idx [B], write_idx [B, T], has_state [B], num_valid [B]); o [B, T, HV, dv] float32 and the
     pool aliased in place."""
     t, dk = o_shape[1], pool.shape[2]
+    form = form or default_form(t)
+    if form not in FORMS:
+        raise ValueError(f"form {form!r} is not one of {FORMS}")
+    if form == "chunk" and not interpret and not is_pow2(t):
+        raise ValueError(f"form 'chunk' loads the span as one [T, dk] tile: T = {t} must be a power of two "
+                         "(Triton tensor sizes); form 'sequential' takes any T")
     pool_spec = pl.BlockSpec((pool.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
     scalar_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
     out_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
     call = pl.pallas_call(
-        functools.partial(kernel, barrier=not interpret),
+        functools.partial(kernel, barrier=not interpret, form=form),
         grid=grid,
         in_specs=[*in_specs, pool_spec, scalar_spec, pl.BlockSpec((None, t), lambda i, h, j: (i, 0)), scalar_spec,
                   scalar_spec],
@@ -183,12 +270,15 @@ def gdn_verify_pallas(
     interpret: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
+    form: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas GDN verify/decode; same contract as `reference.gdn_verify`.
 
     Returns o [B, T, HV, dv] float32 and the pool with pool[write_idx[b, t]] = state after token t.
     `block_v` (static, power of two dividing dv; None: `default_block_v`) is the V-block width of
-    one program. With duplicate write slots (padding rows all write the null slot 0) the last writer
+    one program; `form` (static, one of `FORMS`; None: `default_form`) how a program walks the T
+    tokens: "sequential" steps the recurrence token by token, "chunk" solves the span at once
+    (`_chunk`). With duplicate write slots (padding rows all write the null slot 0) the last writer
     wins, so slot 0 holds any one of them. `interpret=True` is required on CPU.
     """
     b, t, hk, dk = q.shape
@@ -201,7 +291,7 @@ def gdn_verify_pallas(
     gate_spec = pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h))
     return _call(_verify_kernel, (q, k, v, g, beta), [key_spec, key_spec, value_spec, gate_spec, gate_spec], pool,
                  (read_idx, write_idx, has_state, num_valid), grid=(b, hv, dv // block_v), o_shape=v.shape,
-                 block_v=block_v, num_warps=num_warps, interpret=interpret, name="gdn_verify")
+                 block_v=block_v, num_warps=num_warps, form=form, interpret=interpret, name="gdn_verify")
 
 
 def mixed_fits(dk: int, dv: int, block_v: int) -> bool:
@@ -235,6 +325,7 @@ def gdn_verify_mixed_pallas(
     interpret: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
+    form: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`gdn_verify_pallas` with the layer's glue inside: same contract as `reference.gdn_verify_mixed`
     on a[..., a_at:a_at + HV] and b[..., b_at:b_at + HV].
@@ -244,7 +335,7 @@ def gdn_verify_mixed_pallas(
     one packed projection output, jaxspec/models/packing.py), L2-normalises q and k and computes g and
     beta per token in registers (the normalisation is repeated by the r * dv / block_v programs that
     share a key head: dk multiply-adds per token each). dk, dv come from the pool; `block_v` as
-    `gdn_verify_pallas`, also dividing 2 dk (`mixed_fits`)."""
+    `gdn_verify_pallas`, also dividing 2 dk (`mixed_fits`); `form` as `gdn_verify_pallas`."""
     batch, t, channels = mixed.shape
     hv, dk, dv = pool.shape[1:]
     hk = reference.key_heads(channels, hv, dk, dv)
@@ -266,4 +357,4 @@ def gdn_verify_mixed_pallas(
     return _call(_verify_mixed_kernel, (grouped, grouped, grouped, a, b, a_log, dt_bias),
                  [key_spec(0), key_spec(1), value_spec, gate_spec(a_at), gate_spec(b_at), head_spec, head_spec], pool,
                  (read_idx, write_idx, has_state, num_valid), grid=(batch, hv, vb), o_shape=(batch, t, hv, dv),
-                 block_v=block_v, num_warps=num_warps, interpret=interpret, name="gdn_verify_mixed")
+                 block_v=block_v, num_warps=num_warps, form=form, interpret=interpret, name="gdn_verify_mixed")

@@ -121,12 +121,13 @@ def _to_chunks(x, chunk_size: int):
 
 
 def unit_lower_inverse(a, matmul=None):
-    """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two, float32.
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], float32.
 
     Block doubling: if D inverts the diagonal blocks of size s of L = I + a, then over blocks of
     size 2s, inv([[L11, 0], [L21, L22]]) = [[D1, 0], [-D2 L21 D1, D2]] = D - D L_off D, where L_off
     keeps a's lower-left s x s sub-block inside each 2s block. Exact block inversion (as stable as
-    substitution), log2(C) levels of two matmuls each (none at s = 1, where D = I). `matmul(x, y)`
+    substitution), ceil(log2(C)) levels of two matmuls each (none at s = 1, where D = I). Any C: a
+    last block cut short by C is still a 2 x 2 block split (L22 smaller, or absent). `matmul(x, y)`
     multiplies the last two dims (default: float32 einsum); the Pallas prefill passes its own dot.
 
     Why not `lax.linalg.triangular_solve`: on the CPU, jaxlib 0.10's LAPACK kernel fans its batch
@@ -134,8 +135,6 @@ def unit_lower_inverse(a, matmul=None):
     threads (tensor-parallel devices running in lockstep, a backward pass) deadlock the process
     (docs/benchmarks.md, "Tensor parallelism")."""
     C = a.shape[-1]
-    if C & (C - 1):
-        raise ValueError(f"chunk size {C} must be a power of two")
     matmul = matmul or functools.partial(_einsum, "...ij,...jk->...ik")
     i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
 
@@ -194,7 +193,7 @@ def chunk_gated_delta(q, k, v, g, beta, h0, *, chunk_size: int = 64):
     """Chunked (WY/UT) gated delta rule; same math as `recurrent_gated_delta`.
 
     Args: as `recurrent_gated_delta` (q, k [B, T, HK, dk]; v [B, T, HV, dv]; g, beta [B, T, HV];
-      h0 [B, HV, dk, dv] float32); chunk_size a power of two. T need not divide chunk_size: the
+      h0 [B, HV, dk, dv] float32). T need not divide chunk_size: the
       tail is padded with g = beta = 0 and q = k = v = 0, which leaves the state unchanged, and sliced off.
     Returns: o [B, T, HV, dv] float32, h_final [B, HV, dk, dv] float32.
     """

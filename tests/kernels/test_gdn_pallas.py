@@ -22,7 +22,7 @@ from pallas_kernels.gated_delta import chunk as C
 from pallas_kernels.gated_delta import reference as R
 from pallas_kernels.gated_delta.chunk import gdn_prefill_pallas
 from pallas_kernels.gated_delta.conv import conv_update_pallas
-from pallas_kernels.gated_delta.recurrent import default_block_v, gdn_verify_pallas
+from pallas_kernels.gated_delta.recurrent import FORMS, default_block_v, gdn_verify_pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -36,7 +36,7 @@ QWEN = {"hk": 16, "dk": 128, "dv": 128}  # GPU heads: HV = 16 r (Qwen3.5-2B / Ne
 verify_ref = jax.jit(R.gdn_verify)
 prefill_ref = jax.jit(R.gdn_prefill, static_argnames="chunk_size")
 conv_ref = jax.jit(R.conv_update, static_argnames="mode")
-verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v"))
+verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v", "form"))
 prefill_pallas = jax.jit(gdn_prefill_pallas, static_argnames=("chunk_size", "interpret", "block_v", "f32_dots"))
 conv_pallas = jax.jit(conv_update_pallas, static_argnames=("mode", "interpret", "block_c", "block_t"))
 
@@ -108,14 +108,14 @@ def verify_rounds(rng, T: int, hv: int, dk: int, dv: int, new_inputs, both):
         both(inputs, pool, (read, write, jnp.asarray([True, True, True, False]), i32(*num_valid)))
 
 
-def check_verify(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
-    """`verify_rounds` of the Pallas kernel against the reference."""
+def check_verify(seed, *, k, r, dtype, interpret, block_v=None, form=None, hk, dk, dv):
+    """`verify_rounds` of the Pallas kernel (in `form`) against the reference."""
     rng = np.random.default_rng(seed)
     T, hv = 1 + k, hk * r
 
     def both(inputs, pool, step):
         args = (*inputs, pool, *step)
-        got, want = verify_pallas(*args, interpret=interpret, block_v=block_v), verify_ref(*args)
+        got, want = verify_pallas(*args, interpret=interpret, block_v=block_v, form=form), verify_ref(*args)
         assert_close(got[0], want[0], dtype)
         assert_close(got[1][1:], want[1][1:], dtype)
         assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
@@ -146,14 +146,34 @@ def test_default_block_v_narrows_a_small_verify_grid():
 VERIFY_CASES = [(0, 1), (1, 2), (3, 3), (7, 1), (15, 2)]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("k", "r"), VERIFY_CASES)
-def test_verify_interpret_float32(k, r):
-    check_verify(k, k=k, r=r, dtype=jnp.float32, interpret=True, block_v=8, **SMALL)
+def test_verify_interpret_float32(k, r, form):
+    check_verify(k, k=k, r=r, dtype=jnp.float32, interpret=True, block_v=8, form=form, **SMALL)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("k", "r"), [(3, 2), (7, 3)])
-def test_verify_interpret_bfloat16(k, r):
-    check_verify(100 + k, k=k, r=r, dtype=jnp.bfloat16, interpret=True, **SMALL)
+def test_verify_interpret_bfloat16(k, r, form):
+    check_verify(100 + k, k=k, r=r, dtype=jnp.bfloat16, interpret=True, form=form, **SMALL)
+
+
+def test_unknown_form_is_refused():
+    rng = np.random.default_rng(0)
+    inputs = gdn_inputs(rng, [2], 2, hk=2, hv=2, dk=8, dv=8, dtype=jnp.float32)
+    pool = jnp.zeros((3, 2, 8, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"form 'parallel' is not one of \('sequential', 'chunk'\)"):
+        gdn_verify_pallas(*inputs, pool, i32(1), i32([1, 2]), jnp.asarray([True]), i32(2), interpret=True,
+                          form="parallel")
+
+
+def test_chunk_form_refuses_a_span_triton_cannot_tile():
+    rng = np.random.default_rng(0)
+    inputs = gdn_inputs(rng, [3], 3, hk=2, hv=2, dk=8, dv=8, dtype=jnp.float32)
+    pool = jnp.zeros((4, 2, 8, 8), jnp.float32)
+    with pytest.raises(ValueError, match="T = 3 must be a power of two"):  # refused before any lowering
+        gdn_verify_pallas(*inputs, pool, i32(1), i32([1, 2, 3]), jnp.asarray([True]), i32(3), interpret=False,
+                          form="chunk")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,6 +397,12 @@ class TestPallasGPU:
     @pytest.mark.parametrize("r", [1, 2, 3])
     def test_verify(self, dtype, k, r):
         check_verify(k * 10 + r, k=k, r=r, dtype=dtype, interpret=False, **QWEN)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("k", [1, 3, 7, 15])
+    @pytest.mark.parametrize("form", FORMS)
+    def test_verify_forms(self, dtype, k, form):
+        check_verify(k * 10 + 7, k=k, r=2, dtype=dtype, interpret=False, form=form, **QWEN)
 
     @pytest.mark.parametrize("block_v", [16, 64, 128])
     def test_verify_block_v(self, block_v):

@@ -357,14 +357,19 @@ def test_conv_padding_rows_and_fresh_rows(mode):
     np.testing.assert_array_equal(head, state_ref[0])
 
 
-def test_unit_lower_inverse():
+@pytest.mark.parametrize("C", [64, 48, 16, 7, 3, 1])
+def test_unit_lower_inverse(C):  # any size: the verify span's chunk form inverts T = 1 + k
     rng = np.random.default_rng(2)
-    a = np.tril(0.3 * rng.standard_normal((3, 64, 64)), -1).astype(np.float32)
-    want = np.linalg.inv(np.eye(64) + a.astype(np.float64))
+    a = np.tril(0.3 * rng.standard_normal((3, C, C)), -1).astype(np.float32)
+    want = np.linalg.inv(np.eye(C) + a.astype(np.float64))
     np.testing.assert_allclose(np.asarray(R.unit_lower_inverse(jnp.asarray(a))), want, rtol=0,
                                atol=1e-6 * np.abs(want).max())
-    with pytest.raises(ValueError, match="power of two"):
-        R.unit_lower_inverse(jnp.zeros((48, 48)))
+
+
+def test_unit_lower_inverse_of_repeated_keys():  # A = all-ones strict lower triangle: no power-series blow-up
+    a = np.tril(np.ones((16, 16), np.float32), -1)
+    want = np.linalg.inv(np.eye(16) + a.astype(np.float64))  # identity, -1 below the diagonal
+    np.testing.assert_allclose(np.asarray(R.unit_lower_inverse(jnp.asarray(a))), want, rtol=0, atol=1e-6)
 
 
 def test_chunked_form_calls_no_lapack():

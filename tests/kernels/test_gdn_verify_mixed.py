@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.gated_delta import api
 from pallas_kernels.gated_delta import reference as R
-from pallas_kernels.gated_delta.recurrent import gdn_verify_mixed_pallas, gdn_verify_pallas, mixed_fits
+from pallas_kernels.gated_delta.recurrent import FORMS, gdn_verify_mixed_pallas, gdn_verify_pallas, mixed_fits
 from tests.kernels.test_gdn_pallas import (
     ON_GPU,
     QWEN,
@@ -26,8 +26,8 @@ from tests.kernels.test_gdn_pallas import (
 )
 
 mixed_ref = jax.jit(R.gdn_verify_mixed)
-mixed_pallas = jax.jit(gdn_verify_mixed_pallas, static_argnames=("interpret", "block_v"))
-verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v"))
+mixed_pallas = jax.jit(gdn_verify_mixed_pallas, static_argnames=("interpret", "block_v", "form"))
+verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v", "form"))
 
 
 def mixed_inputs(rng, num_valid, T, *, hk, r, dk, dv, dtype):
@@ -44,14 +44,14 @@ def mixed_inputs(rng, num_valid, T, *, hk, r, dk, dv, dtype):
     return cast(mixed), cast(a), cast(b), cast(a_log, jnp.float32), cast(dt_bias, jnp.float32)
 
 
-def check_mixed(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
+def check_mixed(seed, *, k, r, dtype, interpret, block_v=None, form=None, hk, dk, dv):
     """test_gdn_pallas.verify_rounds of the fused kernel against the reference, and against the
     unfused kernel run on the reference's inputs (the glue moved, the recurrence did not)."""
     rng = np.random.default_rng(seed)
     T = 1 + k
 
     def both(inputs, pool, step):
-        got = mixed_pallas(*inputs, pool, *step, interpret=interpret, block_v=block_v)
+        got = mixed_pallas(*inputs, pool, *step, interpret=interpret, block_v=block_v, form=form)
         want = mixed_ref(*inputs, pool, *step)
         assert_close(got[0], want[0], dtype)
         assert_close(got[1][1:], want[1][1:], dtype)
@@ -69,14 +69,16 @@ def check_mixed(seed, *, k, r, dtype, interpret, block_v=None, hk, dk, dv):
 MIXED_CASES = [(0, 1), (1, 2), (3, 3), (15, 2)]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("k", "r"), MIXED_CASES)
-def test_mixed_interpret_float32(k, r):
-    check_mixed(k, k=k, r=r, dtype=jnp.float32, interpret=True, block_v=8, **SMALL)
+def test_mixed_interpret_float32(k, r, form):
+    check_mixed(k, k=k, r=r, dtype=jnp.float32, interpret=True, block_v=8, form=form, **SMALL)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("k", "r"), [(3, 2), (7, 3)])
-def test_mixed_interpret_bfloat16(k, r):
-    check_mixed(100 + k, k=k, r=r, dtype=jnp.bfloat16, interpret=True, **SMALL)
+def test_mixed_interpret_bfloat16(k, r, form):
+    check_mixed(100 + k, k=k, r=r, dtype=jnp.bfloat16, interpret=True, form=form, **SMALL)
 
 
 def test_mixed_fits():
@@ -186,6 +188,12 @@ class TestMixedGPU:
     @pytest.mark.parametrize("r", [1, 2, 3])
     def test_mixed(self, dtype, k, r):
         check_mixed(k * 10 + r, k=k, r=r, dtype=dtype, interpret=False, **QWEN)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("k", [1, 3, 7, 15])
+    @pytest.mark.parametrize("form", FORMS)
+    def test_mixed_forms(self, dtype, k, form):
+        check_mixed(k * 10 + 3, k=k, r=3, dtype=dtype, interpret=False, form=form, **QWEN)
 
     @pytest.mark.parametrize("k", [0, 1, 7])
     def test_gates_in_place(self, k):
