@@ -202,8 +202,10 @@ def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
     return min(32, dv)
 
 
-# How a program walks a verify span: token by token, or in chunk form (`_chunk`) from this many tokens
-# on. Until the chunk form is timed against the sequential one on a GPU, every span runs sequentially.
+# How a program walks a verify span: token by token, or in chunk form (`_chunk`) from CHUNK_MIN_T tokens
+# on (None: never). On an H100 the chunk form lost at T = 8 on every layout (1.3-2.1x the sequential busy
+# time; Qwen3.5-2B verify round +77 us) and won only at batch 1, T = 2 / 4 on the 2B heads (by 0.4-0.5 us):
+# docs/benchmarks.md, "GDN verify: chunk form and where the time goes". Every span runs sequentially.
 FORMS = ("sequential", "chunk")
 CHUNK_MIN_T = None
 
