@@ -4,16 +4,19 @@ largest component. Also model-level GDN invariants on the hybrid demo families."
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec import cache
 from jaxspec.config import EngineConfig
-from jaxspec.engine import Engine
+from jaxspec.engine import Engine, make_batch
+from jaxspec.models.model import forward
 from tests.demo_models import NEW_TOKENS, SETTINGS, assert_idle, demo_model, one_at_a_time, prompts
 
 
@@ -94,6 +97,30 @@ def test_bad_memory_budget(budget):
 
 
 # ---- GDN model-level invariants ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_verify_stores_no_snapshot_for_inert_tokens(kernels):
+    """A verify row of T = 4 with 2 valid tokens writes the states after those 2 into its slots base,
+    base + 1 and leaves base + 2, base + 3 as they were, as a padding row leaves the null slot and
+    every other request's slots: inert states are never read (docs/speculation.md#gdn-rollback)."""
+    model = demo_model("qwen3_5")
+    cfg, ecfg, T = model.config, model.engine_config(3), 4
+    caches = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape).astype(x.dtype),
+                          cache.allocate(cfg, ecfg, model.dtype))
+    tables = jnp.asarray(1 + np.arange(2)[:, None] * ecfg.pages_per_seq + np.arange(ecfg.pages_per_seq), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, T)), jnp.int32)
+    # row 0: request in engine slot 2 at position 5, its previous round emitted 1; row 1: padding
+    batch = make_batch(tokens, jnp.asarray([5, 0], jnp.int32), jnp.asarray([2, 0], jnp.int32), tables,
+                       jnp.asarray([2, 0], jnp.int32), jnp.ones((3,), jnp.int32), ecfg)
+    step = jax.jit(functools.partial(forward, cfg=cfg, mode="verify", kernels=kernels, last_only=False))
+    _, _, new = step(model.params, caches=caches, batch=batch)
+    base = int(batch.state_write[0])
+    assert base == 1 + ecfg.state_slots_per_seq
+    for before, after in zip(caches["ssm"], new["ssm"], strict=True):
+        before, after = np.asarray(before), np.asarray(after)
+        assert not np.array_equal(after[base:base + 2], before[base:base + 2])  # the valid tokens' states
+        untouched = np.r_[0:base, base + 2:len(before)]
+        np.testing.assert_array_equal(after[untouched], before[untouched])
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_prefill_in_chunks_then_decode_equals_one_full_forward(family):

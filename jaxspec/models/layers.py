@@ -349,7 +349,10 @@ def gated_delta_net(p, cfg: ModelConfig, x, batch, ssm, conv, *, mode: str, kern
     read, num_valid = batch.state_read, batch.num_valid
     if mode == "verify":
         steps = jnp.arange(T, dtype=jnp.int32)[None, :]
-        write = jnp.where(batch.state_write[:, None] > 0, batch.state_write[:, None] + steps, 0)  # [R, T]
+        # [R, T]; inert tokens (t >= num_valid) write the null slot, which the kernels skip: their state
+        # equals the previous token's and no round reads it (docs/speculation.md#gdn-rollback)
+        live = (batch.state_write[:, None] > 0) & (steps < batch.num_valid[:, None])
+        write = jnp.where(live, batch.state_write[:, None] + steps, 0)
         gate_inputs = (a, b, p["A_log"], p["dt_bias"])
         run = sharding.local(functools.partial(ops.gdn_verify_mixed, a_at=a_at, b_at=b_at, kernels=kernels), cfg,
                              (channels, heads3, heads3, ("gdn_heads",), ("gdn_heads",), sharding.SSM_AXES)

@@ -47,7 +47,16 @@ def _recur(h, tokens, o_ref, pool_out_ref, write_ref):
         pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
         h = h + k[:, None] * (beta * (v - pred))[None, :]
         o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
-        pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
+        _store(pool_out_ref, write_ref[t], h)
+
+
+def _store(pool_out_ref, slot, h):
+    """Snapshot h -> pool[slot], except at the null slot 0, whose writes the reference drops too
+    (`reference.set_rows`): padding rows and inert tokens (the layer points them there) store nothing."""
+
+    @pl.when(slot != 0)
+    def _():
+        pool_out_ref[slot] = h.astype(pool_out_ref.dtype)
 
 
 def _mm(a, b):
@@ -91,7 +100,7 @@ def _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier: bool):
     o_ref[...] = readout.astype(o_ref.dtype)
     for t, (k, g_t) in enumerate(chain):
         h = h * jnp.exp(g_t) + k[:, None] * writes[t][None, :]
-        pool_out_ref[write_ref[t]] = h.astype(pool_out_ref.dtype)
+        _store(pool_out_ref, write_ref[t], h)
 
 
 def _start(pool_ref, read_ref, has_ref, barrier: bool):

@@ -118,6 +118,7 @@ def check_verify(seed, *, k, r, dtype, interpret, block_v=None, form=None, hk, d
         got, want = verify_pallas(*args, interpret=interpret, block_v=block_v, form=form), verify_ref(*args)
         assert_close(got[0], want[0], dtype)
         assert_close(got[1][1:], want[1][1:], dtype)
+        np.testing.assert_array_equal(got[1][0], pool[0], "the padding row stored into the null slot")
         assert not np.asarray(got[0][3]).any(), "padding row reads out zeros"
         return want[1]
 
