@@ -7,12 +7,14 @@ the `[dk, BV]` float32 tile of the start state in registers and runs the T = 1+k
     h <- exp(g_t) h ;  h <- h + k_t (beta_t (v_t - h^T k_t))^T ;  o_t = h^T q_t
 
 then stores o_t and the snapshot h -> pool[write_idx[b, t]] (`form="sequential"`), or computes the
-same outputs and snapshots from the span at once (`form="chunk"`, `_chunk`, docs/model_math.md#verify-
-span-in-chunk-form). The start tile is loaded from
-pool[read_idx[b]] before any store (the read slot is one of the write slots), and the pool is
-updated in place through `input_output_aliases` (the engine donates it). Every product here is a
-matrix-vector one, so the kernel uses broadcasts and float32 reductions, no tensor-core dots:
-it is bandwidth bound on the state (1 read + T writes of `[dk, dv]` per head).
+same outputs and snapshots from the span at once (`form="chunk"`, `_chunk`; docs/model_math.md,
+"Verify span in chunk form"). A snapshot aimed at the null slot 0 is not stored. The start tile
+is loaded from pool[read_idx[b]] before any store (the read slot is one of the write slots), and
+the pool is updated in place through `input_output_aliases` (the engine donates it). Every product
+here is a matrix-vector one, so the kernel uses broadcasts and float32 reductions, no tensor-core
+dots. Its bytes are the state's (1 read + T writes of `[dk, dv]` per head); at batch 8 the snapshot
+stores are about half its time, at batch 1 the chain of per-token reductions sets it
+(docs/benchmarks.md, "GDN verify: chunk form and where the time goes").
 
 Value head j reads key head j // (HV // HK) (GVA). Tokens t >= num_valid[b] are inert: their
 q/k/v/g/beta are zeroed (as the reference does), so the state is unchanged and o_t = 0.
