@@ -62,7 +62,8 @@ SHORT = {"paged_span_attention_split": "split", "paged_span_attention_merge": "m
          "gdn_chunk_output": "output"}
 SMOKE_LINEAR = {"demo": {"gate_up": (64, 96, "glu"), "down": (48, 64, "residual"), "out": (256, 64, "gated")}}
 SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block="1,2", splits="1,2", warps="4",
-             stages="2", merges="fused,kernel", block_v="16,32", gdn_warps="4", prefill_lens="32", chunks="16",
+             stages="2", merges="fused,kernel", block_v="16,32", gdn_warps="4", gdn_forms="sequential,chunk",
+             prefill_lens="32", chunks="16",
              prefill_stages="1",
              f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
              linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", linear_splits="1,2",
@@ -87,8 +88,9 @@ def parse(argv=None):
                    help="attention: where the KV splits merge (fused: in the split kernel; kernel: a second launch)")
     p.add_argument("--block-v", default="16,32,64", help="gdn_verify: V columns per program")
     p.add_argument("--gdn-warps", default="2,4", help="gdn_verify, gdn_prefill: warps per program")
-    p.add_argument("--gdn-forms", default="sequential,chunk",
-                   help="gdn_verify: how a program walks the span (token by token, or in chunk form)")
+    p.add_argument("--gdn-forms", default="sequential",
+                   help="gdn_verify: how a program walks the span: sequential (token by token, the default) "
+                        "and / or chunk (slower on an H100: docs/benchmarks.md)")
     p.add_argument("--prefill-lens", default="512", help="gdn_prefill: tokens per request (T)")
     p.add_argument("--chunks", default="16,64", help="gdn_prefill: tokens per chunk")
     p.add_argument("--prefill-stages", default="1,2", help="gdn_prefill: Triton pipeline stages")

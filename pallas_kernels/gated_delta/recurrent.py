@@ -142,7 +142,8 @@ def _verify_kernel(
         live = jnp.arange(T) < valid_ref[0]
         span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
         span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
-        _chunk(h, (*span, jnp.ones((T,), F32)), lambda t: token(t)[1:4:2], o_ref, pool_out_ref, write_ref, barrier)
+        rows = lambda t: token(t)[1:4:2]  # (k_t, g_t), k already normalised  # noqa: E731
+        _chunk(h, (*span, jnp.ones((T,), F32)), rows, o_ref, pool_out_ref, write_ref, barrier)
     else:
         _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
 
@@ -287,12 +288,12 @@ def gdn_verify_pallas(
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas GDN verify/decode; same contract as `reference.gdn_verify`.
 
-    Returns o [B, T, HV, dv] float32 and the pool with pool[write_idx[b, t]] = state after token t.
+    Returns o [B, T, HV, dv] float32 and the pool with pool[write_idx[b, t]] = state after token t
+    for every slot but the null slot 0, which is never stored (`_store`; the reference drops it).
     `block_v` (static, power of two dividing dv; None: `default_block_v`) is the V-block width of
     one program; `form` (static, one of `FORMS`; None: `default_form`) how a program walks the T
     tokens: "sequential" steps the recurrence token by token, "chunk" solves the span at once
-    (`_chunk`). With duplicate write slots (padding rows all write the null slot 0) the last writer
-    wins, so slot 0 holds any one of them. `interpret=True` is required on CPU.
+    (`_chunk`). `interpret=True` is required on CPU.
     """
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
