@@ -91,6 +91,9 @@ def parse(argv=None):
     p.add_argument("--gdn-forms", default="sequential",
                    help="gdn_verify: how a program walks the span: sequential (token by token, the default) "
                         "and / or chunk (slower on an H100: docs/benchmarks.md)")
+    p.add_argument("--gdn-valid", type=int, default=None,
+                   help="gdn_verify: valid tokens per row (default: all T); the rest are inert, as in a decode step "
+                        "(T = 2, one valid) or a rejected tail")
     p.add_argument("--prefill-lens", default="512", help="gdn_prefill: tokens per request (T)")
     p.add_argument("--chunks", default="16,64", help="gdn_prefill: tokens per chunk")
     p.add_argument("--prefill-stages", default="1,2", help="gdn_prefill: Triton pipeline stages")
@@ -163,6 +166,15 @@ def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple]
     grid = [(bv, w, f) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps)
             for f in args.gdn_forms.split(",") if fits(bv)]
     return sorted(set(grid) | {default}), default
+
+
+def _gdn_valid(layout, B: int, T: int, valid: int, fixed: dict, nbytes: dict) -> tuple[dict, dict]:
+    """Inputs and bytes with `valid` tokens per row: inert tokens store no snapshot."""
+    import jax.numpy as jnp
+
+    HV, dk, dv = layout[1:]
+    state = B * (1 + valid) * HV * dk * dv * 4
+    return {**fixed, "nv": jnp.full((B,), valid, jnp.int32)}, {**nbytes, "state": state, "floor": state + nbytes["io"]}
 
 
 def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
@@ -417,6 +429,8 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     else:
         mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps)
+        if args.gdn_valid is not None:
+            fixed, nbytes = _gdn_valid(layout, B, T, min(args.gdn_valid, T), fixed, nbytes)
         configs, default = _gdn_configs(args, layout, B, T, mixed)
         make = {c: _gdn_fn(c, args.reps, interpret, mixed) for c in configs}
     st = {"state": state}

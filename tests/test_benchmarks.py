@@ -189,6 +189,22 @@ def test_kernel_sweep_smoke(smoke):
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
 
 
+def test_gdn_valid_counts_the_snapshots_stored():
+    """`kernel_sweep --gdn-valid`: inert tokens store no snapshot, so the floor counts the start state and
+    one snapshot per valid token; the kernel gets that many valid tokens per row."""
+    import numpy as np
+
+    from benchmarks import kernel_sweep, kernels
+
+    layout, B, T = kernels.SMOKE_GDN["demo"], 2, 4
+    _, _, fixed, nbytes, _ = kernels._gdn_inputs(np.random.default_rng(0), layout, B, T, 1)
+    state = layout[1] * layout[2] * layout[3] * 4
+    assert nbytes["state"] == B * (1 + T) * state
+    fixed1, nbytes1 = kernel_sweep._gdn_valid(layout, B, T, 1, fixed, nbytes)
+    assert np.asarray(fixed1["nv"]).tolist() == [1, 1] and np.asarray(fixed["nv"]).tolist() == [T, T]
+    assert nbytes1["state"] == B * 2 * state and nbytes1["floor"] == nbytes1["state"] + nbytes["io"]
+
+
 def test_attention_pools_are_per_layout():
     """One pool cache serves several head layouts (kernel_sweep runs them in turn): each layout
     gets pools of its own shape, not the previous layout's."""
