@@ -13,9 +13,8 @@ is loaded from pool[read_idx[b]] before any store (the read slot is one of the w
 the pool is updated in place through `input_output_aliases` (the engine donates it). Every product
 here is a matrix-vector one, so the kernel uses broadcasts and float32 reductions, no tensor-core
 dots. Its bytes are the state's (1 read + T writes of `[dk, dv]` per head); at batch 8 the snapshot
-stores are about half its time, at batch 1 the chain of per-token reductions sets it: with
-more than one warp each token waits at 18 barriers across the program's warps (docs/benchmarks.md,
-"GDN verify: chunk form and where the time goes").
+stores are about half its time, at batch 1 the chain of per-token reductions sets it
+(docs/benchmarks.md, "GDN verify: chunk form and where the time goes").
 
 Value head j reads key head j // (HV // HK) (GVA). Tokens t >= num_valid[b] are inert: their
 q/k/v/g/beta are zeroed (as the reference does), so the state is unchanged and o_t = 0.
