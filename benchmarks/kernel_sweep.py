@@ -168,15 +168,6 @@ def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple]
     return sorted(set(grid) | {default}), default
 
 
-def _gdn_valid(layout, B: int, T: int, valid: int, fixed: dict, nbytes: dict) -> tuple[dict, dict]:
-    """Inputs and bytes with `valid` tokens per row: inert tokens store no snapshot."""
-    import jax.numpy as jnp
-
-    HV, dk, dv = layout[1:]
-    state = B * (1 + valid) * HV * dk * dv * 4
-    return {**fixed, "nv": jnp.full((B,), valid, jnp.int32)}, {**nbytes, "state": state, "floor": state + nbytes["io"]}
-
-
 def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
     import jax.numpy as jnp
 
@@ -428,9 +419,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
         make = {c: _conv_fn(c, args.reps, interpret) for c in configs}
     else:
         mixed = kernel == "gdn_verify_mixed"
-        state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps)
-        if args.gdn_valid is not None:
-            fixed, nbytes = _gdn_valid(layout, B, T, min(args.gdn_valid, T), fixed, nbytes)
+        state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps, args.gdn_valid)
         configs, default = _gdn_configs(args, layout, B, T, mixed)
         make = {c: _gdn_fn(c, args.reps, interpret, mixed) for c in configs}
     st = {"state": state}

@@ -136,10 +136,12 @@ def _normal(rng, shape, dtype, scale=1.0):
     return jnp.asarray((rng.standard_normal(shape, dtype=np.float32) * scale), dtype=dtype)
 
 
-def _gdn_inputs(rng, layout, B: int, T: int, reps: int):
+def _gdn_inputs(rng, layout, B: int, T: int, reps: int, valid: int | None = None):
     """Per-rep q, k (normalised, q scaled), v, g, beta, and for the fused kernel a conv output
     `mixed` (bf16, channels grouped per key head) with raw a / b projections; a pool with one region
-    of T slots per request per rotation; read = base + j (j < T, as num_accepted - 1), write = base + t."""
+    of T slots per request per rotation; read = base + j (j < T, as num_accepted - 1), write = base + t.
+    `valid` (default T) tokens per row are valid, the rest inert: they store no snapshot, so the
+    bytes count the start state and one snapshot per valid token."""
     import jax.numpy as jnp
 
     HK, HV, dk, dv = layout
@@ -159,11 +161,13 @@ def _gdn_inputs(rng, layout, B: int, T: int, reps: int):
                         write=jnp.asarray(base[:, None] + np.arange(T)[None, :], jnp.int32),
                         mixed=_normal(rng, (B, T, 2 * HK * dk + HV * dv), jnp.bfloat16),
                         a=_normal(rng, (B, T, HV), jnp.bfloat16), b=_normal(rng, (B, T, HV), jnp.bfloat16)))
-    fixed = dict(has=jnp.ones((B,), bool), nv=jnp.full((B,), T, jnp.int32),
+    valid = T if valid is None else min(valid, T)
+    fixed = dict(has=jnp.ones((B,), bool), nv=jnp.full((B,), valid, jnp.int32),
                  a_log=jnp.asarray(np.log(rng.uniform(1, 16, HV)), jnp.float32),
                  dt_bias=_normal(rng, (HV,), jnp.float32))
     io = B * T * (2 * HK * dk * 4 + HV * dv * 2 + HV * dv * 4 + 2 * HV * 4)
-    return pool, per, fixed, {"state": B * (1 + T) * state, "io": io, "floor": B * (1 + T) * state + io}, rot
+    stored = B * (1 + valid) * state
+    return pool, per, fixed, {"state": stored, "io": io, "floor": stored + io}, rot
 
 
 def _gdn_verify_fn(api, impl: str, reps: int):

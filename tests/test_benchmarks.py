@@ -194,13 +194,13 @@ def test_gdn_valid_counts_the_snapshots_stored():
     one snapshot per valid token; the kernel gets that many valid tokens per row."""
     import numpy as np
 
-    from benchmarks import kernel_sweep, kernels
+    from benchmarks import kernels
 
     layout, B, T = kernels.SMOKE_GDN["demo"], 2, 4
     _, _, fixed, nbytes, _ = kernels._gdn_inputs(np.random.default_rng(0), layout, B, T, 1)
     state = layout[1] * layout[2] * layout[3] * 4
     assert nbytes["state"] == B * (1 + T) * state
-    fixed1, nbytes1 = kernel_sweep._gdn_valid(layout, B, T, 1, fixed, nbytes)
+    _, _, fixed1, nbytes1, _ = kernels._gdn_inputs(np.random.default_rng(0), layout, B, T, 1, valid=1)
     assert np.asarray(fixed1["nv"]).tolist() == [1, 1] and np.asarray(fixed["nv"]).tolist() == [T, T]
     assert nbytes1["state"] == B * 2 * state and nbytes1["floor"] == nbytes1["state"] + nbytes["io"]
 

@@ -122,6 +122,7 @@ def test_verify_stores_no_snapshot_for_inert_tokens(kernels):
         untouched = np.r_[0:base, base + 2:len(before)]
         np.testing.assert_array_equal(after[untouched], before[untouched])
 
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_prefill_in_chunks_then_decode_equals_one_full_forward(family):
     """generate prefills a 35-token prompt in three chunks, then decodes token by token; scoring
