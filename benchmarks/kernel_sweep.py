@@ -19,6 +19,12 @@ zeroed counters of the fused merge; GDN verify: the recurrence; prefill: its thr
 the prefill conv; linear: the kernel, or for the "xla" config every kernel of the call), not the
 harness's own ops; the wall time holds them too and one launch gap per call. The prefill is compute
 bound: its bytes floor is not its limit.
+
+`--counters` runs each config `--repeats` times and nothing else (no bandwidth probe, no timing, no
+JAX profiler, which holds the GPU's profiling interface), for a hardware-counter profiler to attach:
+`ncu -k regex:gdn_verify_mixed --launch-skip 8 --launch-count 1 --section WarpStateStats python
+benchmarks/kernel_sweep.py --counters --kernels gdn_verify_mixed --layouts qwen3.5-2b --batches 1
+--ks 7 --block-v 16 --gdn-warps 4` (docs/benchmarks.md, "GDN verify: an inert-token skip").
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ def parse(argv=None):
     p.add_argument("--traced", type=int, default=3, help="calls inside the profile")
     p.add_argument("--compile-threads", type=int, default=2 * common.default_threads())
     p.add_argument("--bandwidth-gib", type=float, default=4.0)
+    p.add_argument("--counters", action="store_true",
+                   help="only run each config --repeats times: no bandwidth probe, timing or profile (for ncu)")
     args = common.parse_args(p, argv, SMOKE)
     common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
     from pallas_kernels.gated_delta.chunk import F32_DOTS
@@ -405,7 +413,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
                                                            cache)
         configs, default = _prefill_configs(args, layout, B)
         make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
-        prefill_check = _prefill_check(state, per[0], fixed)
+        prefill_check = None if args.counters else _prefill_check(state, per[0], fixed)
     elif kernel == "linear":
         state = None
         per, fixed, nbytes = _linear_inputs(rng, layout, B * T, args.reps)
@@ -429,7 +437,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     log(f"{kernel} {name} B={B} T={T} ctx={context}: {len(compiled)} configs compiled in {wall_s:.1f}s")
     for config, text in errors.items():
         res.data["errors"].append({"what": f"{kernel} {name} B={B} T={T} {config}", "error": text})
-    floor_us = nbytes["floor"] / bandwidth * 1e6
+    floor_us = nbytes["floor"] / bandwidth * 1e6 if bandwidth else None
     for config, exe in compiled.items():
 
         def call(exe=exe):
@@ -438,6 +446,12 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
             st["state"], outs = exe(st["state"], per, fixed)
             return outs
 
+        if args.counters:  # the launches alone, for a counter profiler
+            common.block([call() for _ in range(args.repeats)])
+            res.add({"kernel": kernel, "layout": name, "B": B, "T": T, "context": context, "config": list(config),
+                     "default": config == default, "calls": args.repeats, "reps": args.reps, "wall_us": None,
+                     "busy_us": None, "floor_us": floor_us, "busy_over_floor": None})
+            continue
         try:
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
             busy, parts = _busy_us(call, kernel, args.traced, args.reps,
@@ -458,7 +472,7 @@ def print_tables(res) -> None:
               "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
               "linear": "block_k, block_n, warps, stages, weights kn / nk, splits (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
-                                                      r["busy_us"] or r["wall_us"]))
+                                                      r["busy_us"] or r["wall_us"] or 0))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",
               ", ".join(map(str, r["config"])) + (" *" if r["default"] else ""), fmt(r["wall_us"], 1),
               fmt(r["busy_us"], 1),
@@ -478,9 +492,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     budget = common.Budget(args.budget_s)
     res = common.Results("kernel_sweep", args)
-    bw = common.measure_bandwidth(int(args.bandwidth_gib * common.GiB))
+    bw = None if args.counters else common.measure_bandwidth(int(args.bandwidth_gib * common.GiB))
     res.data["bandwidth"] = bw
-    log(f"HBM read bandwidth {bw['tb_per_s']:.3f} TB/s")
+    if bw:
+        log(f"HBM read bandwidth {bw['tb_per_s']:.3f} TB/s")
     rng = np.random.default_rng(0)
     for kernel in args.kernels.split(","):
         cache: dict = {}
@@ -493,7 +508,7 @@ def main(argv=None) -> int:
                     res.skip(f"{kernel} {name} B={B} T={T}", "budget")
                     continue
                 try:
-                    run_shape(kernel, name, layout, B, T, context, args, res, bw["bytes_per_s"], rng, cache)
+                    run_shape(kernel, name, layout, B, T, context, args, res, bw and bw["bytes_per_s"], rng, cache)
                 except Exception as e:
                     res.error(f"{kernel} {name} B={B} T={T}", e)
     res.finish()

@@ -189,6 +189,30 @@ def test_kernel_sweep_smoke(smoke):
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]
 
 
+def test_kernel_sweep_counters_only_launches(tmp_path, monkeypatch):
+    """`kernel_sweep --counters` (for a hardware-counter profiler) runs each config --repeats times and
+    neither probes the bandwidth, nor times, nor opens a JAX profile."""
+    from benchmarks import common, kernel_sweep
+
+    def refuse(*_, **__):
+        raise AssertionError("--counters must not measure")
+
+    for name in ("measure_bandwidth", "time_steps"):
+        monkeypatch.setattr(common, name, refuse)
+    monkeypatch.setattr(kernel_sweep, "_busy_us", refuse)
+    batches = []
+    monkeypatch.setattr(common, "block", lambda outs: batches.append(len(outs)))
+    out = tmp_path / "counters.json"
+    assert kernel_sweep.main(["--smoke", "--counters", "--kernels", "gdn_verify_mixed", "--gdn-forms", "sequential",
+                              "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "complete", doc["errors"]
+    rows = doc["results"]
+    assert len(rows) == 2 and {tuple(r["config"][:1]) for r in rows} == {(16,), (32,)}
+    assert all(r["calls"] == 3 and r["wall_us"] is None and r["floor_us"] is None for r in rows)
+    assert batches == [3, 3] and doc["bandwidth"] is None
+
+
 def test_gdn_valid_counts_the_snapshots_stored():
     """`kernel_sweep --gdn-valid`: inert tokens store no snapshot, so the floor counts the start state and
     one snapshot per valid token; the kernel gets that many valid tokens per row."""
