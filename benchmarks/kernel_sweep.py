@@ -24,7 +24,8 @@ bound: its bytes floor is not its limit.
 JAX profiler, which holds the GPU's profiling interface), for a hardware-counter profiler to attach:
 `ncu -k regex:gdn_verify_mixed --launch-skip 8 --launch-count 1 --section WarpStateStats python
 benchmarks/kernel_sweep.py --counters --kernels gdn_verify_mixed --layouts qwen3.5-2b --batches 1
---ks 7 --block-v 16 --gdn-warps 4` (docs/benchmarks.md, "GDN verify: an inert-token skip").
+--ks 7 --block-v 16 --gdn-warps 4` (docs/benchmarks.md, "GDN verify: an inert-token skip and a V-first
+state tile").
 """
 
 from __future__ import annotations
