@@ -25,7 +25,12 @@ JAX profiler, which holds the GPU's profiling interface), for a hardware-counter
 `ncu -k regex:gdn_verify_mixed --launch-skip 8 --launch-count 1 --section WarpStateStats python
 benchmarks/kernel_sweep.py --counters --kernels gdn_verify_mixed --layouts qwen3.5-2b --batches 1
 --ks 7 --block-v 16 --gdn-warps 4` (docs/benchmarks.md, "GDN verify: an inert-token skip and a V-first
-state tile").
+state tile"). For stall samples per SASS instruction, profile one launch with `--set full
+--import-source yes -o REPORT` and read it back with `ncu --import REPORT.ncu-rep --page source
+--print-source sass --csv`; XLA's gemm fusions (`--kernels linear`, config "xla") autotune while
+compiling, so profile them with `-k regex:gemm_fusion` in a second process that loads the executables
+from a persistent compilation cache the first one filled (docs/benchmarks.md, "Hardware counters of
+the decode projections and the GDN verify").
 """
 
 from __future__ import annotations
