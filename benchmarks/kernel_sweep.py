@@ -18,7 +18,9 @@ rotated past the L2; linear: a weight copy per call). Busy time counts only the 
 zeroed counters of the fused merge; GDN verify: the recurrence; prefill: its three kernels; conv:
 the prefill conv; linear: the kernel, or for the "xla" config every kernel of the call), not the
 harness's own ops; the wall time holds them too and one launch gap per call. The prefill is compute
-bound: its bytes floor is not its limit.
+bound: its bytes floor is not its limit. Each GDN prefill and verify config also runs once on the
+first rep's inputs against the reference (the table's error column), so a kernel variant swept on a
+GPU shows whether it still computes the recurrence before any GPU test class has run.
 
 `--counters` runs each config `--repeats` times and nothing else (no bandwidth probe, no timing, no
 JAX profiler, which holds the GPU's profiling interface), for a hardware-counter profiler to attach:
@@ -399,8 +401,47 @@ def _prefill_error(config, check, interpret: bool) -> float:
     args, want = check
     got = jax.jit(functools.partial(gdn_prefill_pallas, chunk_size=chunk, interpret=interpret, block_v=block_v,
                                     num_warps=warps, num_stages=stages, f32_dots=dots))(*args)[0]
-    got = np.asarray(got, np.float64)
-    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+    return _relative_rms(got, want)
+
+
+def _verify_check(state, x, fixed, mixed: bool) -> tuple[tuple, tuple[np.ndarray, np.ndarray]]:
+    """(arguments, reference readout and pool) of one verify call on the first rep's inputs, over a
+    small pool holding each request's T slots as the rep lays them out (the read slot among the
+    written ones, as in the engine): computed once per shape, before the timed calls donate the pool."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta import reference
+
+    B, T = x["write"].shape
+    pool = jnp.concatenate([jnp.zeros_like(state[:1]), state[x["write"].reshape(-1)]])
+    first = 1 + T * jnp.arange(B, dtype=jnp.int32)
+    read = first + x["read"] - x["write"][:, 0]
+    write = first[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    inputs = ((x["mixed"], x["a"], x["b"], fixed["a_log"], fixed["dt_bias"]) if mixed
+              else (x["q"], x["k"], x["v"], x["g"], x["beta"]))
+    args = (*inputs, pool, read, write, fixed["has"], fixed["nv"])
+    o, new_pool = jax.jit(reference.gdn_verify_mixed if mixed else reference.gdn_verify)(*args)
+    return args, (np.asarray(o, np.float64), np.asarray(new_pool, np.float64))
+
+
+def _relative_rms(got, want: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((np.asarray(got, np.float64) - want) ** 2) / np.mean(want**2)))
+
+
+def _verify_error(config, check, interpret: bool, mixed: bool) -> float:
+    """The larger relative RMS error of one config's readout and state pool against the reference
+    (`_verify_check`): a kernel variant swept on a GPU says whether it still computes the recurrence."""
+    import jax
+
+    from pallas_kernels.gated_delta.recurrent import gdn_verify_mixed_pallas, gdn_verify_pallas
+
+    block_v, warps, form = config
+    fn = functools.partial(gdn_verify_mixed_pallas if mixed else gdn_verify_pallas, interpret=interpret,
+                           block_v=block_v, num_warps=warps, form=form)
+    args, (want_o, want_pool) = check
+    got_o, got_pool = jax.jit(fn)(*args)
+    return max(_relative_rms(got_o, want_o), _relative_rms(got_pool, want_pool))
 
 
 def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res, bandwidth: float, rng,
@@ -434,6 +475,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     else:
         mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps, args.gdn_valid)
+        verify_check = None if args.counters else _verify_check(state, per[0], fixed, mixed)
         configs, default = _gdn_configs(args, layout, B, T, mixed)
         make = {c: _gdn_fn(c, args.reps, interpret, mixed) for c in configs}
     st = {"state": state}
@@ -462,7 +504,9 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
             busy, parts = _busy_us(call, kernel, args.traced, args.reps,
                                    every=config == ("xla",) or kernel == "attention")
-            error = _prefill_error(config, prefill_check, interpret) if kernel == "gdn_prefill" else None
+            error = (_prefill_error(config, prefill_check, interpret) if kernel == "gdn_prefill"
+                     else _verify_error(config, verify_check, interpret, kernel == "gdn_verify_mixed")
+                     if kernel.startswith("gdn_verify") else None)
         except Exception as e:
             res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
             continue
@@ -488,7 +532,8 @@ def print_tables(res) -> None:
     configs = ", ".join(f"{kernel} {names}" for kernel, names in fields.items())
     print(f"\nkernel sweep (us per call; * = the default; config: {configs}; busy = the kernel's own GPU time, "
           "none off GPU; busy by launch = the same split by launch name; "
-          "error = relative RMS of the prefill output against the reference)")
+          "error = relative RMS against the reference: the prefill's output, the verify's readout or state pool, the "
+          "larger)")
     print(common.format_table(table, ["kernel", "layout", "B", "T", "ctx", "config", "wall", "busy",
                                       "busy by launch", "floor", "busy/floor", "error"]))
 

@@ -168,7 +168,10 @@ def test_kernel_sweep_smoke(smoke):
     # each prefill config's output against the reference (interpreted: IEEE dots, float32's error)
     errors = {tuple(r["config"]): r["error"] for r in rows if r["kernel"] == "gdn_prefill"}
     assert all(0 <= e < 1e-5 for e in errors.values()), errors
-    assert all(r["error"] is None for r in rows if r["kernel"] != "gdn_prefill")
+    # each verify config's readout and pool against the reference (the fused kernel reads bf16 inputs)
+    errors = {(r["kernel"], tuple(r["config"])): r["error"] for r in rows if r["kernel"].startswith("gdn_verify")}
+    assert len(errors) == 8 and all(0 <= e < 1e-5 for e in errors.values()), errors
+    assert all(r["error"] is None for r in rows if not r["kernel"].startswith("gdn_"))
     # token tiles 4 / 8 x 64 channels, 4 warps; plus the default (8 tokens, 256 channels)
     conv = {tuple(r["config"]) for r in rows if r["kernel"] == "conv_prefill"}
     assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
@@ -211,6 +214,30 @@ def test_kernel_sweep_counters_only_launches(tmp_path, monkeypatch):
     assert len(rows) == 2 and {tuple(r["config"][:1]) for r in rows} == {(16,), (32,)}
     assert all(r["calls"] == 3 and r["wall_us"] is None and r["floor_us"] is None for r in rows)
     assert batches == [3, 3] and doc["bandwidth"] is None
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_verify_error_catches_a_wrong_kernel(monkeypatch, mixed):
+    """The sweep's verify check measures the kernel it times: right, the error is float32's; a kernel
+    that forgets the snapshots (the readout right, the pool as it came) is off by the state's size."""
+    import numpy as np
+
+    from benchmarks import kernel_sweep, kernels
+    from pallas_kernels.gated_delta import recurrent
+
+    layout, B, T = kernels.SMOKE_GDN["demo"], 2, 3
+    state, per, fixed, _, _ = kernels._gdn_inputs(np.random.default_rng(0), layout, B, T, 1)
+    check = kernel_sweep._verify_check(state, per[0], fixed, mixed)
+    assert kernel_sweep._verify_error((16, 4, "sequential"), check, True, mixed) < 1e-5
+    name = "gdn_verify_mixed_pallas" if mixed else "gdn_verify_pallas"
+    real = getattr(recurrent, name)
+
+    def forgets_the_snapshots(*args, **kw):
+        o, _ = real(*args, **kw)
+        return o, args[5]
+
+    monkeypatch.setattr(recurrent, name, forgets_the_snapshots)
+    assert kernel_sweep._verify_error((16, 4, "sequential"), check, True, mixed) > 0.1
 
 
 def test_gdn_valid_counts_the_snapshots_stored():
