@@ -451,6 +451,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     from pallas_kernels.triton_common import ignore_triton_deprecation
 
     interpret = jax.default_backend() == "cpu"
+    error_of = None  # config -> its output's error against the reference (the GDN kernels; not with --counters)
     if kernel == "attention":
         state, per, fixed, nbytes, _ = kernels._attn_inputs(rng, layout, B, T, context, args.reps, cache)
         configs, default = _attention_configs(args, layout, B, T, context)
@@ -460,7 +461,9 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
                                                            cache)
         configs, default = _prefill_configs(args, layout, B)
         make = {c: _prefill_fn(c, args.reps, interpret) for c in configs}
-        prefill_check = None if args.counters else _prefill_check(state, per[0], fixed)
+        if not args.counters:
+            error_of = functools.partial(_prefill_error, check=_prefill_check(state, per[0], fixed),
+                                         interpret=interpret)
     elif kernel == "linear":
         state = None
         per, fixed, nbytes = _linear_inputs(rng, layout, B * T, args.reps)
@@ -475,7 +478,9 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     else:
         mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps, args.gdn_valid)
-        verify_check = None if args.counters else _verify_check(state, per[0], fixed, mixed)
+        if not args.counters:
+            error_of = functools.partial(_verify_error, check=_verify_check(state, per[0], fixed, mixed),
+                                         interpret=interpret, mixed=mixed)
         configs, default = _gdn_configs(args, layout, B, T, mixed)
         make = {c: _gdn_fn(c, args.reps, interpret, mixed) for c in configs}
     st = {"state": state}
@@ -504,9 +509,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
             timing = common.time_steps(call, warmup=2, repeats=args.repeats, pipeline=4)
             busy, parts = _busy_us(call, kernel, args.traced, args.reps,
                                    every=config == ("xla",) or kernel == "attention")
-            error = (_prefill_error(config, prefill_check, interpret) if kernel == "gdn_prefill"
-                     else _verify_error(config, verify_check, interpret, kernel == "gdn_verify_mixed")
-                     if kernel.startswith("gdn_verify") else None)
+            error = error_of(config) if error_of else None
         except Exception as e:
             res.error(f"{kernel} {name} B={B} T={T} {config} (run)", e)
             continue
