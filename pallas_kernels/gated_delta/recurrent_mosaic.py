@@ -28,13 +28,15 @@ the null slot 0, last writer wins. The pool is updated in place: the kernel writ
 Limitations (honest): written for jax 0.11.x, where `pl.pallas_call` no longer lowers to Mosaic
 GPU, so it is a `pl.kernel` over a `plgpu.Mesh` (also fine in 0.10.2), with the explicit-layout
 "Lane" lowering semantics (0.11 defaults to "Warpgroup" semantics, whose select_n has no implicit
-broadcast). Checked on CPU only: it lowers to the Mosaic GPU custom call under jax 0.10.2 and
-0.11.2, and matches the reference in the Mosaic GPU interpreter of jax 0.11 (`interpret=
-plgpu.InterpretGPUParams()`; jax 0.10's interpreter cannot run `plgpu.load`); ptxas and the
-GPU run are unverified. Shapes: dk a multiple of 64 (WGMMA row tiles), BV a multiple of 32 (one
-128-byte swizzle row of float32) dividing dv; the pool must be float32. Not tuned: the Lane
-lowering puts warpgroup barriers around every SMEM store, each token does two cross-warp column
-sums through SMEM, the per-token q/k/v loads are synchronous, one block per (b, h, j).
+broadcast). On CPU it lowers to the Mosaic GPU custom call under jax 0.10.2 and 0.11.2 and matches
+the reference in the Mosaic GPU interpreter of jax 0.11 (`interpret=plgpu.InterpretGPUParams()`; jax
+0.10's interpreter cannot run `plgpu.load`). On the H200 (jax 0.11.2) its GPU tests pass; timed
+beside the Triton kernel it was level to 1.5x slower, ahead only at batch 32, T >= 8
+(docs/benchmarks.md, "Kernels (H200)"), so the Triton kernel is the default. Shapes: dk a multiple
+of 64 (WGMMA row tiles), BV a multiple of 32 (one 128-byte swizzle row of float32) dividing dv; the
+pool must be float32. Not tuned: the Lane lowering puts warpgroup barriers around every SMEM store,
+each token does two cross-warp column sums through SMEM, the per-token q/k/v loads are synchronous,
+one block per (b, h, j).
 """
 
 import functools
