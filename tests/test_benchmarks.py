@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Smoke runs only check that the scripts run: skip LLVM's expensive passes to compile faster.
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SCRIPTS = ("step_times", "e2e", "kernels", "kernel_sweep", "peers", "profile_step", "demo_drafters", "startup",
-           "throughput", "plot", "plot_acceptance", "report", "tp")
+           "throughput", "plot", "plot_acceptance", "report", "tp", "static_code")
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
@@ -214,6 +214,28 @@ def test_kernel_sweep_counters_only_launches(tmp_path, monkeypatch):
     assert len(rows) == 2 and {tuple(r["config"][:1]) for r in rows} == {(16,), (32,)}
     assert all(r["calls"] == 3 and r["wall_us"] is None and r["floor_us"] is None for r in rows)
     assert batches == [3, 3] and doc["bandwidth"] is None
+
+
+def test_static_code_reads_each_configs_kernel(tmp_path):
+    """static_code --smoke lowers one kernel per config and counts its own Triton IR: the unrolled
+    sequential form grows with the span, the chunk form differs from it; with triton installed every
+    row also has its compiled registers and SASS, without it the JSON says why they are missing."""
+    from benchmarks import static_code
+
+    out = tmp_path / "static_code.json"
+    assert static_code.main(["--smoke", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    _common_keys(doc, "static_code")
+    ops = {(r["T"], r["form"]): sum(r["ir_ops"].values()) for r in doc["results"]}
+    assert set(ops) == {(2, "sequential"), (2, "chunk"), (4, "sequential"), (4, "chunk")}
+    assert ops[(4, "sequential")] > ops[(2, "sequential")] > 0 and ops[(2, "chunk")] != ops[(2, "sequential")]
+    assert all(r["ir_ops"].get("tt.store", 0) > 0 for r in doc["results"])
+    compiled = doc["sass_unavailable"] is None
+    assert all(("registers" in r and r["sass_instructions"] > 0) == compiled for r in doc["results"])
+    with pytest.raises(SystemExit, match="--forms: unknown form 'unrolled'; valid: sequential, chunk"):
+        static_code.parse(["--forms", "sequential,unrolled"])
+    with pytest.raises(SystemExit, match="--block-v 'wide': 'default' or a comma list"):
+        static_code.parse(["--block-v", "wide"])
 
 
 @pytest.mark.parametrize("mixed", [False, True])
