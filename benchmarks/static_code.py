@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import re
 import subprocess
 import sys
@@ -154,28 +155,25 @@ def main(argv=None) -> int:
     res.data["sass_unavailable"] = no_sass
     layouts = {**GDN_LAYOUTS, **SMOKE_GDN}
     table = []
-    for kernel in args.kernels.split(","):
-        for name in args.layouts.split(","):
-            layout = layouts[name]
-            for B in common.int_list(args.batches):
-                for T in (1 + k for k in common.int_list(args.ks)):
-                    default = default_block_v(B, layout[1], layout[3], T)
-                    blocks = [default] if args.block_v == "default" else common.int_list(args.block_v)
-                    for block_v in blocks:
-                        for form in args.forms.split(","):
-                            what = f"{kernel} {name} B={B} T={T} block_v={block_v} {form}"
-                            try:
-                                ir = triton_ir(*kernel_call(kernel, layout, B, T, form, block_v))
-                                item = {"kernel": kernel, "layout": name, "B": B, "T": T, "block_v": block_v,
-                                        "form": form, "warps": args.warps, "default_block_v": block_v == default,
-                                        "ir_ops": ir_counts(ir)}
-                                if no_sass is None:
-                                    item.update(sass_counts(ir, arch=args.arch, warps=args.warps))
-                                res.add(item)
-                                table.append(_row(item))
-                                common.log(what)
-                            except Exception as e:
-                                res.error(what, e)
+    shapes = itertools.product(args.kernels.split(","), args.layouts.split(","), common.int_list(args.batches),
+                               common.int_list(args.ks))
+    for kernel, name, B, k in shapes:
+        layout, T = layouts[name], 1 + k
+        default = default_block_v(B, layout[1], layout[3], T)
+        blocks = [default] if args.block_v == "default" else common.int_list(args.block_v)
+        for block_v, form in itertools.product(blocks, args.forms.split(",")):
+            what = f"{kernel} {name} B={B} T={T} block_v={block_v} {form}"
+            try:
+                ir = triton_ir(*kernel_call(kernel, layout, B, T, form, block_v))
+                item = {"kernel": kernel, "layout": name, "B": B, "T": T, "block_v": block_v, "form": form,
+                        "warps": args.warps, "default_block_v": block_v == default, "ir_ops": ir_counts(ir)}
+                if no_sass is None:
+                    item.update(sass_counts(ir, arch=args.arch, warps=args.warps))
+                res.add(item)
+                table.append(_row(item))
+                common.log(what)
+            except Exception as e:
+                res.error(what, e)
     res.finish()
     print("\nstatic code (IR ops: Triton IR operations; registers, stack and shared bytes, SASS instructions and "
           f"float opcodes from an offline compile for sm_{args.arch} with {args.warps} warps, empty without triton)")
