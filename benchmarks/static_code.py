@@ -2,14 +2,15 @@
 """Static code of the GDN verify kernels, on any host (no GPU): what a kernel variant compiles to,
 for comparing variants when no GPU is at hand. Not a timing.
 
-Each config's Pallas kernel is lowered for CUDA (`lowering_platforms=("cuda",)`) and its Triton IR is
-taken from the lowering; the script counts that IR's operations (always) and, where the `triton`
-package is installed (`pip install triton`), compiles the IR for sm_<--arch> with num_stages 1 and
-fp fusion off (the GPU compile of these kernels leaves multiplies and adds uncontracted too:
-docs/benchmarks.md, "GDN verify variants: static code from an offline compile") and reads the cubin
-with triton's cuobjdump: registers, stack (spill) bytes, shared memory, SASS instructions by opcode.
-Without triton the SASS columns are empty and the JSON says why. Register allocation of this compile
-differs from the GPU's (another Triton and ptxas): compare configs with each other.
+Each config's Pallas kernel is lowered for CUDA (`lowering_platforms=("cuda",)`) and its Triton IR
+is taken from the lowering; the script counts that IR's operations (always) and, where the `triton`
+package is installed (`pip install -e ".[static-code]"`), compiles the IR for sm_<--arch> with
+num_stages 1 and fp fusion off (the GPU compile of these kernels leaves multiplies and adds
+uncontracted too: docs/benchmarks.md, "GDN verify variants: static code from an offline compile")
+and reads the cubin with triton's cuobjdump: registers, stack (spill) bytes, shared memory, SASS
+instructions by opcode. Without triton the SASS columns are empty and the JSON says why. Register
+allocation of this compile differs from the GPU's (another Triton and ptxas): compare configs with
+each other.
 
     python benchmarks/static_code.py --kernels gdn_verify_mixed --layouts qwen3.5-27b,qwen3.5-2b \\
         --batches 8 --ks 7 --forms sequential,loop
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
 
         no_sass = None
     except ImportError:
-        no_sass = "the triton package is not installed (pip install triton): IR counts only"
+        no_sass = "the triton package is not installed (pip install -e '.[static-code]'): IR counts only"
         common.log(no_sass)
     res = common.Results("static_code", args)
     res.data["sass_unavailable"] = no_sass
