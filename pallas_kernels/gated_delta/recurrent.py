@@ -33,21 +33,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gated_delta import reference
-from pallas_kernels.triton_common import ignore_triton_deprecation, is_pow2, triton_compiler_params
+from pallas_kernels.triton_common import fma, ignore_triton_deprecation, is_pow2, triton_compiler_params
 
 F32 = jnp.float32
 
 
-def _recur(h, tokens, o_ref, pool_out_ref, write_ref):
+def _recur(h, tokens, o_ref, pool_out_ref, write_ref, compiled: bool):
     """Run the steps from the start tile h [dk, BV] over tokens[t] = (q, k, v, g, beta) in float32.
 
     The steps are unrolled (T = 1 + k is static) and every token's inputs are built before the first
     step: nothing in them depends on the state, so their loads (and the fused kernel's norms) are
-    issued ahead of the chain of state updates instead of each paying its latency inside the chain."""
+    issued ahead of the chain of state updates instead of each paying its latency inside the chain.
+    Compiled, the rank-one update is one fused multiply-add per element (`fma`)."""
     for t, (q, k, v, g, beta) in enumerate(tokens):
         h = h * jnp.exp(g)
         pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
-        h = h + k[:, None] * (beta * (v - pred))[None, :]
+        h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
         o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
         _store(pool_out_ref, write_ref[t], h)
 
@@ -145,7 +146,7 @@ def _verify_kernel(
         rows = lambda t: token(t)[1:4:2]  # (k_t, g_t), k already normalised  # noqa: E731
         _chunk(h, (*span, jnp.ones((T,), F32)), rows, o_ref, pool_out_ref, write_ref, barrier)
     else:
-        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
+        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref, compiled=barrier)
 
 
 def _verify_mixed_kernel(
@@ -192,7 +193,7 @@ def _verify_mixed_kernel(
 
         _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier)
     else:
-        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
+        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref, compiled=barrier)
 
 
 # V-block width: 32 columns; 64 once the grid has this many programs at 64 columns; 16 for a verify

@@ -176,7 +176,8 @@ def test_mixed_lowers_to_triton_for_qwen_shapes(r):
     hv = hk * r
     shapes = [((B, T, hk * (2 * d + r * d)), bf), ((B, T, hv), bf), ((B, T, hv), bf), ((hv,), f32), ((hv,), f32),
               ((S, hv, d, d), f32), ((B,), i), ((B, T), i), ((B,), jnp.bool_), ((B,), i)]
-    assert "triton" in _lower_for_cuda(gdn_verify_mixed_pallas, *shapes)
+    lowered = _lower_for_cuda(gdn_verify_mixed_pallas, *shapes)
+    assert "triton" in lowered and "fma.rn.f32" in lowered  # the compiled update is one fused multiply-add
     packed = [((B, T, 5000), bf)] * 2  # a / b in place in one projection output (packing.py)
     lower = lambda *args: gdn_verify_mixed_pallas(*args, a_at=4000 + hv, b_at=4000)  # noqa: E731
     assert "triton" in _lower_for_cuda(lower, shapes[0], *packed, *shapes[3:])
