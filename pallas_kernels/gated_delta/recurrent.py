@@ -38,19 +38,20 @@ from pallas_kernels.triton_common import fma, ignore_triton_deprecation, is_pow2
 F32 = jnp.float32
 
 
-def _recur(h, tokens, o_ref, pool_out_ref, write_ref, compiled: bool):
+def _recur(h, tokens, o_ref, pool_out_ref, slots, compiled: bool):
     """Run the steps from the start tile h [dk, BV] over tokens[t] = (q, k, v, g, beta) in float32.
 
     The steps are unrolled (T = 1 + k is static) and every token's inputs are built before the first
     step: nothing in them depends on the state, so their loads (and the fused kernel's norms) are
     issued ahead of the chain of state updates instead of each paying its latency inside the chain.
-    Compiled, the rank-one update is one fused multiply-add per element (`fma`)."""
+    slots[t] is token t's snapshot slot, loaded by the caller with the inputs. Compiled, the rank-one
+    update is one fused multiply-add per element (`fma`)."""
     for t, (q, k, v, g, beta) in enumerate(tokens):
         h = h * jnp.exp(g)
         pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
         h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
         o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
-        _store(pool_out_ref, write_ref[t], h)
+        _store(pool_out_ref, slots[t], h)
 
 
 def _store(pool_out_ref, slot, h):
@@ -115,6 +116,17 @@ def _start(pool_ref, read_ref, has_ref, barrier: bool):
     return h
 
 
+def _loads(refs, valid_ref, write_ref):
+    """Every per-token load of a sequential walk, issued together: ([T] tuples of refs[i][t] as
+    stored, num_valid, [T] snapshot slots). The caller makes them before `_start`, whose barrier
+    waits for the loads issued ahead of it, so the inputs' latency runs beside the start tile's
+    instead of after it, and no token's loads wait behind an earlier token's norm reductions (the
+    ncu profile in docs/benchmarks.md, "Hardware counters of the decode projections and the GDN
+    verify")."""
+    T = refs[0].shape[0]
+    return [tuple(ref[t] for ref in refs) for t in range(T)], valid_ref[0], [write_ref[t] for t in range(T)]
+
+
 def _verify_kernel(
     q_ref,  # [T, dk]        queries of this request, key head h // r (normalised, scaled)
     k_ref,  # [T, dk]        keys, same key head (normalised)
@@ -132,21 +144,24 @@ def _verify_kernel(
     barrier: bool,
     form: str,
 ):
-    h = _start(pool_ref, read_ref, has_ref, barrier)
-
-    def token(t):  # token t's inputs in float32, zero for an inert token
-        live = t < valid_ref[0]
-        return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
-
     T = q_ref.shape[0]
     if form == "chunk":
+        h = _start(pool_ref, read_ref, has_ref, barrier)
+
+        def token(t):  # token t's inputs in float32, zero for an inert token
+            live = t < valid_ref[0]
+            return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
+
         live = jnp.arange(T) < valid_ref[0]
         span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
         span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
         rows = lambda t: token(t)[1:4:2]  # (k_t, g_t), k already normalised  # noqa: E731
         _chunk(h, (*span, jnp.ones((T,), F32)), rows, o_ref, pool_out_ref, write_ref, barrier)
-    else:
-        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref, compiled=barrier)
+        return
+    raw, valid, slots = _loads((q_ref, k_ref, v_ref, g_ref, beta_ref), valid_ref, write_ref)
+    h = _start(pool_ref, read_ref, has_ref, barrier)
+    tokens = [tuple(jnp.where(t < valid, x.astype(F32), 0.0) for x in raw[t]) for t in range(T)]
+    _recur(h, tokens, o_ref, pool_out_ref, slots, compiled=barrier)
 
 
 def _verify_mixed_kernel(
@@ -162,7 +177,6 @@ def _verify_mixed_kernel(
     barrier: bool,
     form: str,
 ):
-    h = _start(pool_ref, read_ref, has_ref, barrier)
     T, dk = q_ref.shape
     decay = -jnp.exp(a_log_ref[0].astype(F32))
     dt_bias = dt_bias_ref[0].astype(F32)
@@ -175,12 +189,8 @@ def _verify_mixed_kernel(
     def inverse_norm(x, axis):  # 1 / |x| along axis, as reference.l2norm
         return jax.lax.rsqrt(jnp.sum(x * x, axis=axis) + 1e-6)
 
-    def token(t):  # reference.gdn_inputs for token t, zero for an inert token
-        live = t < valid_ref[0]
-        q, k, v = (jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
-        return q * (inverse_norm(q, 0) * dk ** -0.5), k * inverse_norm(k, 0), v, *gates(a_ref[t], b_ref[t], live)
-
     if form == "chunk":
+        h = _start(pool_ref, read_ref, has_ref, barrier)
         live = jnp.arange(T) < valid_ref[0]
         q, k, v = (jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
         scale = inverse_norm(k, 1)
@@ -192,8 +202,19 @@ def _verify_mixed_kernel(
             return jnp.where(live_t, k_ref[t].astype(F32), 0.0), gates(a_ref[t], b_ref[t], live_t)[0]
 
         _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier)
-    else:
-        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref, compiled=barrier)
+        return
+    raw, valid, slots = _loads((q_ref, k_ref, v_ref, a_ref, b_ref), valid_ref, write_ref)
+    h = _start(pool_ref, read_ref, has_ref, barrier)
+    scales = jnp.where(jnp.arange(2) == 0, dk ** -0.5, 1.0).astype(F32)  # q is also scaled by dk^-1/2
+
+    def token(t):  # reference.gdn_inputs for token t, zero for an inert token
+        live = t < valid
+        q, k, v, a, b = raw[t]
+        qk = jnp.where(live, jnp.stack([q, k], axis=-1).astype(F32), 0.0)  # [dk, 2]: both norms in one reduction
+        q, k = jnp.unstack(qk * (inverse_norm(qk, 0) * scales)[None, :], axis=-1)
+        return q, k, jnp.where(live, v.astype(F32), 0.0), *gates(a, b, live)
+
+    _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, slots, compiled=barrier)
 
 
 # V-block width: 32 columns; 64 once the grid has this many programs at 64 columns; 16 for a verify
