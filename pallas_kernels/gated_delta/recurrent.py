@@ -54,6 +54,27 @@ def _recur(h, tokens, o_ref, pool_out_ref, slots, compiled: bool):
         _store(pool_out_ref, slots[t], h)
 
 
+def _recur_loop(h, span, o_ref, pool_out_ref, write_ref, compiled: bool):
+    """The steps of `_recur` as one loop over the tokens (form "loop"): span = (q, k, v, g, beta) as
+    [T, dk], [T, dk], [T, BV], [T], [T] float32 tiles built before the loop; each step picks its
+    token's rows out of them. One step's code instead of T unrolled copies (the unrolled form's
+    instructions outgrow the instruction cache at T = 8: docs/benchmarks.md, "Hardware counters of
+    the decode projections and the GDN verify")."""
+    rows = jnp.arange(span[0].shape[0])
+
+    def step(t, h):
+        q, k, v = (jnp.sum(jnp.where(rows[:, None] == t, x, 0.0), axis=0) for x in span[:3])
+        g, beta = (jnp.sum(jnp.where(rows == t, x, 0.0)) for x in span[3:])
+        h = h * jnp.exp(g)
+        pred = jnp.sum(h * k[:, None], axis=0)
+        h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
+        o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
+        _store(pool_out_ref, write_ref[t], h)
+        return h
+
+    jax.lax.fori_loop(0, rows.shape[0], step, h)
+
+
 def _store(pool_out_ref, slot, h):
     """Snapshot h -> pool[slot], except at the null slot 0, whose writes the reference drops too
     (`reference.set_rows`): padding rows and inert tokens (the layer points them there) store nothing."""
@@ -158,6 +179,12 @@ def _verify_kernel(
         rows = lambda t: token(t)[1:4:2]  # (k_t, g_t), k already normalised  # noqa: E731
         _chunk(h, (*span, jnp.ones((T,), F32)), rows, o_ref, pool_out_ref, write_ref, barrier)
         return
+    if form == "loop":
+        live = jnp.arange(T) < valid_ref[0]
+        span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
+        span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
+        _recur_loop(_start(pool_ref, read_ref, has_ref, barrier), span, o_ref, pool_out_ref, write_ref, barrier)
+        return
     raw, valid, slots = _loads((q_ref, k_ref, v_ref, g_ref, beta_ref), valid_ref, write_ref)
     h = _start(pool_ref, read_ref, has_ref, barrier)
     tokens = [tuple(jnp.where(t < valid, x.astype(F32), 0.0) for x in raw[t]) for t in range(T)]
@@ -203,6 +230,14 @@ def _verify_mixed_kernel(
 
         _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier)
         return
+    if form == "loop":
+        live = jnp.arange(T) < valid_ref[0]
+        q, k, v = (jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
+        g, beta = gates(a_ref[...], b_ref[...], live)
+        h = _start(pool_ref, read_ref, has_ref, barrier)
+        span = (q * (inverse_norm(q, 1) * dk ** -0.5)[:, None], k * inverse_norm(k, 1)[:, None], v, g, beta)
+        _recur_loop(h, span, o_ref, pool_out_ref, write_ref, barrier)
+        return
     raw, valid, slots = _loads((q_ref, k_ref, v_ref, a_ref, b_ref), valid_ref, write_ref)
     h = _start(pool_ref, read_ref, has_ref, barrier)
     scales = jnp.where(jnp.arange(2) == 0, dk ** -0.5, 1.0).astype(F32)  # q is also scaled by dk^-1/2
@@ -240,7 +275,7 @@ def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
 # on (None: never). On an H100 the chunk form lost at T = 8 on every layout (1.3-2.1x the sequential busy
 # time; Qwen3.5-2B verify round +77 us) and won only at batch 1, T = 2 / 4 on the 2B heads (by 0.4-0.5 us):
 # docs/benchmarks.md, "GDN verify: chunk form and where the time goes". Every span runs sequentially.
-FORMS = ("sequential", "chunk")
+FORMS = ("sequential", "chunk", "loop")
 CHUNK_MIN_T = None
 
 
@@ -269,8 +304,8 @@ def _call(kernel, inputs, in_specs, pool, step, *, grid, o_shape, block_v: int, 
     form = form or default_form(t)
     if form not in FORMS:
         raise ValueError(f"form {form!r} is not one of {FORMS}")
-    if form == "chunk" and not interpret and not is_pow2(t):
-        raise ValueError(f"form 'chunk' loads the span as one [T, dk] tile: T = {t} must be a power of two "
+    if form in ("chunk", "loop") and not interpret and not is_pow2(t):
+        raise ValueError(f"form {form!r} loads the span as one [T, dk] tile: T = {t} must be a power of two "
                          "(Triton tensor sizes); form 'sequential' takes any T")
     pool_spec = pl.BlockSpec((pool.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
     scalar_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))

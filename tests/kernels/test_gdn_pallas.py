@@ -163,7 +163,7 @@ def test_unknown_form_is_refused():
     rng = np.random.default_rng(0)
     inputs = gdn_inputs(rng, [2], 2, hk=2, hv=2, dk=8, dv=8, dtype=jnp.float32)
     pool = jnp.zeros((3, 2, 8, 8), jnp.float32)
-    with pytest.raises(ValueError, match=r"form 'parallel' is not one of \('sequential', 'chunk'\)"):
+    with pytest.raises(ValueError, match=r"form 'parallel' is not one of \('sequential', 'chunk', 'loop'\)"):
         gdn_verify_pallas(*inputs, pool, i32(1), i32([1, 2]), jnp.asarray([True]), i32(2), interpret=True,
                           form="parallel")
 
