@@ -137,6 +137,11 @@ def _start(pool_ref, read_ref, has_ref, barrier: bool):
     return h
 
 
+def _span(refs, live):
+    """refs' whole [T, ...] tiles in float32, zero in the rows of inert tokens (live [T] False)."""
+    return [jnp.where(live[(slice(None),) + (None,) * (ref.ndim - 1)], ref[...].astype(F32), 0.0) for ref in refs]
+
+
 def _loads(refs, valid_ref, write_ref):
     """Every per-token load of a sequential walk, issued together: ([T] tuples of refs[i][t] as
     stored, num_valid, [T] snapshot slots). The caller makes them before `_start`, whose barrier
@@ -173,16 +178,12 @@ def _verify_kernel(
             live = t < valid_ref[0]
             return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
 
-        live = jnp.arange(T) < valid_ref[0]
-        span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
-        span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
+        span = _span((q_ref, k_ref, v_ref, g_ref, beta_ref), jnp.arange(T) < valid_ref[0])
         rows = lambda t: token(t)[1:4:2]  # (k_t, g_t), k already normalised  # noqa: E731
         _chunk(h, (*span, jnp.ones((T,), F32)), rows, o_ref, pool_out_ref, write_ref, barrier)
         return
-    if form == "loop":
-        live = jnp.arange(T) < valid_ref[0]
-        span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
-        span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
+    if form == "loop":  # the span's loads issued before the start tile's barrier, as `_loads`
+        span = _span((q_ref, k_ref, v_ref, g_ref, beta_ref), jnp.arange(T) < valid_ref[0])
         _recur_loop(_start(pool_ref, read_ref, has_ref, barrier), span, o_ref, pool_out_ref, write_ref, barrier)
         return
     raw, valid, slots = _loads((q_ref, k_ref, v_ref, g_ref, beta_ref), valid_ref, write_ref)
@@ -219,7 +220,7 @@ def _verify_mixed_kernel(
     if form == "chunk":
         h = _start(pool_ref, read_ref, has_ref, barrier)
         live = jnp.arange(T) < valid_ref[0]
-        q, k, v = (jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
+        q, k, v = _span((q_ref, k_ref, v_ref), live)
         scale = inverse_norm(k, 1)
         span = (q * (inverse_norm(q, 1) * dk ** -0.5)[:, None], k * scale[:, None], v,
                 *gates(a_ref[...], b_ref[...], live), scale)
@@ -232,7 +233,7 @@ def _verify_mixed_kernel(
         return
     if form == "loop":
         live = jnp.arange(T) < valid_ref[0]
-        q, k, v = (jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
+        q, k, v = _span((q_ref, k_ref, v_ref), live)
         g, beta = gates(a_ref[...], b_ref[...], live)
         h = _start(pool_ref, read_ref, has_ref, barrier)
         span = (q * (inverse_norm(q, 1) * dk ** -0.5)[:, None], k * inverse_norm(k, 1)[:, None], v, g, beta)
