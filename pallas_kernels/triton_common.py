@@ -63,6 +63,22 @@ def dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def fma(a: jax.Array, b: jax.Array, c: jax.Array, *, compiled: bool) -> jax.Array:
+    """a * b + c in float32, broadcast. Compiled (Triton) it is one PTX `fma.rn.f32` per element (one
+    rounding): the multiplies and adds these kernels write come out of Triton as separate FMUL and
+    FADD instructions, which ptxas does not fuse (docs/benchmarks.md, "Hardware counters of the decode
+    projections and the GDN verify"). Interpreted it is the product and the sum."""
+    if not compiled:
+        return a * b + c
+    from jax.experimental.pallas import triton as pltriton
+
+    shape = jnp.broadcast_shapes(a.shape, b.shape, c.shape)
+    args = [jnp.broadcast_to(x.astype(jnp.float32), shape) for x in (a, b, c)]
+    (out,) = pltriton.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=args, constraints="=f,f,f,f", pack=1,
+                                             result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+    return out
+
+
 def use_pallas(implementation: str, interpret: bool | None, valid: tuple[str, ...],
                note: str = "") -> tuple[bool, bool]:
     """(run the Pallas kernel?, interpret?) for an entry point's `implementation` among `valid`

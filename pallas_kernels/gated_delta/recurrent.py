@@ -33,23 +33,46 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gated_delta import reference
-from pallas_kernels.triton_common import ignore_triton_deprecation, is_pow2, triton_compiler_params
+from pallas_kernels.triton_common import fma, ignore_triton_deprecation, is_pow2, triton_compiler_params
 
 F32 = jnp.float32
 
 
-def _recur(h, tokens, o_ref, pool_out_ref, write_ref):
+def _recur(h, tokens, o_ref, pool_out_ref, slots, compiled: bool):
     """Run the steps from the start tile h [dk, BV] over tokens[t] = (q, k, v, g, beta) in float32.
 
     The steps are unrolled (T = 1 + k is static) and every token's inputs are built before the first
     step: nothing in them depends on the state, so their loads (and the fused kernel's norms) are
-    issued ahead of the chain of state updates instead of each paying its latency inside the chain."""
+    issued ahead of the chain of state updates instead of each paying its latency inside the chain.
+    slots[t] is token t's snapshot slot, loaded by the caller with the inputs. Compiled, the rank-one
+    update is one fused multiply-add per element (`fma`)."""
     for t, (q, k, v, g, beta) in enumerate(tokens):
         h = h * jnp.exp(g)
         pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
-        h = h + k[:, None] * (beta * (v - pred))[None, :]
+        h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
         o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
+        _store(pool_out_ref, slots[t], h)
+
+
+def _recur_loop(h, span, o_ref, pool_out_ref, write_ref, compiled: bool):
+    """The steps of `_recur` as one loop over the tokens (form "loop"): span = (q, k, v, g, beta) as
+    [T, dk], [T, dk], [T, BV], [T], [T] float32 tiles built before the loop; each step picks its
+    token's rows out of them. One step's code instead of T unrolled copies (the unrolled form's
+    instructions outgrow the instruction cache at T = 8: docs/benchmarks.md, "Hardware counters of
+    the decode projections and the GDN verify")."""
+    rows = jnp.arange(span[0].shape[0])
+
+    def step(t, h):
+        q, k, v = (jnp.sum(jnp.where(rows[:, None] == t, x, 0.0), axis=0) for x in span[:3])
+        g, beta = (jnp.sum(jnp.where(rows == t, x, 0.0)) for x in span[3:])
+        h = h * jnp.exp(g)
+        pred = jnp.sum(h * k[:, None], axis=0)
+        h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
+        o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
         _store(pool_out_ref, write_ref[t], h)
+        return h
+
+    jax.lax.fori_loop(0, rows.shape[0], step, h)
 
 
 def _store(pool_out_ref, slot, h):
@@ -114,6 +137,22 @@ def _start(pool_ref, read_ref, has_ref, barrier: bool):
     return h
 
 
+def _span(refs, live):
+    """refs' whole [T, ...] tiles in float32, zero in the rows of inert tokens (live [T] False)."""
+    return [jnp.where(live[(slice(None),) + (None,) * (ref.ndim - 1)], ref[...].astype(F32), 0.0) for ref in refs]
+
+
+def _loads(refs, valid_ref, write_ref):
+    """Every per-token load of a sequential walk, issued together: ([T] tuples of refs[i][t] as
+    stored, num_valid, [T] snapshot slots). The caller makes them before `_start`, whose barrier
+    waits for the loads issued ahead of it, so the inputs' latency runs beside the start tile's
+    instead of after it, and no token's loads wait behind an earlier token's norm reductions (the
+    ncu profile in docs/benchmarks.md, "Hardware counters of the decode projections and the GDN
+    verify")."""
+    T = refs[0].shape[0]
+    return [tuple(ref[t] for ref in refs) for t in range(T)], valid_ref[0], [write_ref[t] for t in range(T)]
+
+
 def _verify_kernel(
     q_ref,  # [T, dk]        queries of this request, key head h // r (normalised, scaled)
     k_ref,  # [T, dk]        keys, same key head (normalised)
@@ -131,21 +170,26 @@ def _verify_kernel(
     barrier: bool,
     form: str,
 ):
-    h = _start(pool_ref, read_ref, has_ref, barrier)
-
-    def token(t):  # token t's inputs in float32, zero for an inert token
-        live = t < valid_ref[0]
-        return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
-
     T = q_ref.shape[0]
     if form == "chunk":
-        live = jnp.arange(T) < valid_ref[0]
-        span = [jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref)]
-        span += [jnp.where(live, ref[...].astype(F32), 0.0) for ref in (g_ref, beta_ref)]
+        h = _start(pool_ref, read_ref, has_ref, barrier)
+
+        def token(t):  # token t's inputs in float32, zero for an inert token
+            live = t < valid_ref[0]
+            return tuple(jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
+
+        span = _span((q_ref, k_ref, v_ref, g_ref, beta_ref), jnp.arange(T) < valid_ref[0])
         rows = lambda t: token(t)[1:4:2]  # (k_t, g_t), k already normalised  # noqa: E731
         _chunk(h, (*span, jnp.ones((T,), F32)), rows, o_ref, pool_out_ref, write_ref, barrier)
-    else:
-        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
+        return
+    if form == "loop":  # the span's loads issued before the start tile's barrier, as `_loads`
+        span = _span((q_ref, k_ref, v_ref, g_ref, beta_ref), jnp.arange(T) < valid_ref[0])
+        _recur_loop(_start(pool_ref, read_ref, has_ref, barrier), span, o_ref, pool_out_ref, write_ref, barrier)
+        return
+    raw, valid, slots = _loads((q_ref, k_ref, v_ref, g_ref, beta_ref), valid_ref, write_ref)
+    h = _start(pool_ref, read_ref, has_ref, barrier)
+    tokens = [tuple(jnp.where(t < valid, x.astype(F32), 0.0) for x in raw[t]) for t in range(T)]
+    _recur(h, tokens, o_ref, pool_out_ref, slots, compiled=barrier)
 
 
 def _verify_mixed_kernel(
@@ -161,7 +205,6 @@ def _verify_mixed_kernel(
     barrier: bool,
     form: str,
 ):
-    h = _start(pool_ref, read_ref, has_ref, barrier)
     T, dk = q_ref.shape
     decay = -jnp.exp(a_log_ref[0].astype(F32))
     dt_bias = dt_bias_ref[0].astype(F32)
@@ -174,14 +217,10 @@ def _verify_mixed_kernel(
     def inverse_norm(x, axis):  # 1 / |x| along axis, as reference.l2norm
         return jax.lax.rsqrt(jnp.sum(x * x, axis=axis) + 1e-6)
 
-    def token(t):  # reference.gdn_inputs for token t, zero for an inert token
-        live = t < valid_ref[0]
-        q, k, v = (jnp.where(live, ref[t].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
-        return q * (inverse_norm(q, 0) * dk ** -0.5), k * inverse_norm(k, 0), v, *gates(a_ref[t], b_ref[t], live)
-
     if form == "chunk":
+        h = _start(pool_ref, read_ref, has_ref, barrier)
         live = jnp.arange(T) < valid_ref[0]
-        q, k, v = (jnp.where(live[:, None], ref[...].astype(F32), 0.0) for ref in (q_ref, k_ref, v_ref))
+        q, k, v = _span((q_ref, k_ref, v_ref), live)
         scale = inverse_norm(k, 1)
         span = (q * (inverse_norm(q, 1) * dk ** -0.5)[:, None], k * scale[:, None], v,
                 *gates(a_ref[...], b_ref[...], live), scale)
@@ -191,8 +230,27 @@ def _verify_mixed_kernel(
             return jnp.where(live_t, k_ref[t].astype(F32), 0.0), gates(a_ref[t], b_ref[t], live_t)[0]
 
         _chunk(h, span, rows, o_ref, pool_out_ref, write_ref, barrier)
-    else:
-        _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, write_ref)
+        return
+    if form == "loop":
+        live = jnp.arange(T) < valid_ref[0]
+        q, k, v = _span((q_ref, k_ref, v_ref), live)
+        g, beta = gates(a_ref[...], b_ref[...], live)
+        h = _start(pool_ref, read_ref, has_ref, barrier)
+        span = (q * (inverse_norm(q, 1) * dk ** -0.5)[:, None], k * inverse_norm(k, 1)[:, None], v, g, beta)
+        _recur_loop(h, span, o_ref, pool_out_ref, write_ref, barrier)
+        return
+    raw, valid, slots = _loads((q_ref, k_ref, v_ref, a_ref, b_ref), valid_ref, write_ref)
+    h = _start(pool_ref, read_ref, has_ref, barrier)
+    scales = jnp.where(jnp.arange(2) == 0, dk ** -0.5, 1.0).astype(F32)  # q is also scaled by dk^-1/2
+
+    def token(t):  # reference.gdn_inputs for token t, zero for an inert token
+        live = t < valid
+        q, k, v, a, b = raw[t]
+        qk = jnp.where(live, jnp.stack([q, k], axis=-1).astype(F32), 0.0)  # [dk, 2]: both norms in one reduction
+        q, k = jnp.unstack(qk * (inverse_norm(qk, 0) * scales)[None, :], axis=-1)
+        return q, k, jnp.where(live, v.astype(F32), 0.0), *gates(a, b, live)
+
+    _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, slots, compiled=barrier)
 
 
 # V-block width: 32 columns; 64 once the grid has this many programs at 64 columns; 16 for a verify
@@ -218,7 +276,7 @@ def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
 # on (None: never). On an H100 the chunk form lost at T = 8 on every layout (1.3-2.1x the sequential busy
 # time; Qwen3.5-2B verify round +77 us) and won only at batch 1, T = 2 / 4 on the 2B heads (by 0.4-0.5 us):
 # docs/benchmarks.md, "GDN verify: chunk form and where the time goes". Every span runs sequentially.
-FORMS = ("sequential", "chunk")
+FORMS = ("sequential", "chunk", "loop")
 CHUNK_MIN_T = None
 
 
@@ -247,8 +305,8 @@ def _call(kernel, inputs, in_specs, pool, step, *, grid, o_shape, block_v: int, 
     form = form or default_form(t)
     if form not in FORMS:
         raise ValueError(f"form {form!r} is not one of {FORMS}")
-    if form == "chunk" and not interpret and not is_pow2(t):
-        raise ValueError(f"form 'chunk' loads the span as one [T, dk] tile: T = {t} must be a power of two "
+    if form in ("chunk", "loop") and not interpret and not is_pow2(t):
+        raise ValueError(f"form {form!r} loads the span as one [T, dk] tile: T = {t} must be a power of two "
                          "(Triton tensor sizes); form 'sequential' takes any T")
     pool_spec = pl.BlockSpec((pool.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
     scalar_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))

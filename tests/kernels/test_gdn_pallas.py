@@ -163,7 +163,7 @@ def test_unknown_form_is_refused():
     rng = np.random.default_rng(0)
     inputs = gdn_inputs(rng, [2], 2, hk=2, hv=2, dk=8, dv=8, dtype=jnp.float32)
     pool = jnp.zeros((3, 2, 8, 8), jnp.float32)
-    with pytest.raises(ValueError, match=r"form 'parallel' is not one of \('sequential', 'chunk'\)"):
+    with pytest.raises(ValueError, match=r"form 'parallel' is not one of \('sequential', 'chunk', 'loop'\)"):
         gdn_verify_pallas(*inputs, pool, i32(1), i32([1, 2]), jnp.asarray([True]), i32(2), interpret=True,
                           form="parallel")
 
@@ -376,7 +376,8 @@ def test_kernels_lower_to_triton_for_qwen_shapes(r):
     B, T, hk, hv, d, S, bf, f32, i = 4, 8, 16, 16 * r, 128, 33, jnp.bfloat16, jnp.float32, jnp.int32
     qkv = [((B, T, hk, d), f32), ((B, T, hk, d), f32), ((B, T, hv, d), bf), ((B, T, hv), f32), ((B, T, hv), f32)]
     step = [((S, hv, d, d), f32), ((B,), i), ((B, T), i), ((B,), jnp.bool_), ((B,), i)]
-    assert "triton" in _lower_for_cuda(gdn_verify_pallas, *qkv, *step)
+    verify = _lower_for_cuda(gdn_verify_pallas, *qkv, *step)
+    assert "triton" in verify and "fma.rn.f32" in verify  # the compiled update is one fused multiply-add
     step[2] = ((B,), i)
     qkv = [((B, 100, *s[2:]), dt) for s, dt in qkv]  # 2 chunks of 64, the second partial
     assert "triton" in _lower_for_cuda(gdn_prefill_pallas, *qkv, *step)

@@ -6,6 +6,8 @@ projections, A_log and dt_bias. Tolerances as test_gdn_pallas.py (by the compare
 o and the pools are float32).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,12 +173,15 @@ def test_conv_reads_leading_channels(mode):
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
 @pytest.mark.parametrize("r", [1, 3])
-def test_mixed_lowers_to_triton_for_qwen_shapes(r):
+@pytest.mark.parametrize("form", FORMS)
+def test_mixed_lowers_to_triton_for_qwen_shapes(r, form):
     B, T, hk, d, S, bf, f32, i = 4, 8, 16, 128, 33, jnp.bfloat16, jnp.float32, jnp.int32
     hv = hk * r
     shapes = [((B, T, hk * (2 * d + r * d)), bf), ((B, T, hv), bf), ((B, T, hv), bf), ((hv,), f32), ((hv,), f32),
               ((S, hv, d, d), f32), ((B,), i), ((B, T), i), ((B,), jnp.bool_), ((B,), i)]
-    assert "triton" in _lower_for_cuda(gdn_verify_mixed_pallas, *shapes)
+    lowered = _lower_for_cuda(functools.partial(gdn_verify_mixed_pallas, form=form), *shapes)
+    assert "triton" in lowered
+    assert ("fma.rn.f32" in lowered) == (form != "chunk")  # the stepped update is one fused multiply-add
     packed = [((B, T, 5000), bf)] * 2  # a / b in place in one projection output (packing.py)
     lower = lambda *args: gdn_verify_mixed_pallas(*args, a_at=4000 + hv, b_at=4000)  # noqa: E731
     assert "triton" in _lower_for_cuda(lower, shapes[0], *packed, *shapes[3:])
