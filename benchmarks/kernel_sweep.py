@@ -177,7 +177,8 @@ def _gdn_configs(args, layout, B: int, T: int, mixed: bool) -> tuple[list[tuple]
     from pallas_kernels.gated_delta.recurrent import default_block_v, default_form, mixed_fits
 
     dk, dv = layout[2:]
-    default = (default_block_v(B, layout[1], dv, T), 4, default_form(T))
+    block_v = default_block_v(B, layout[1], dv, T)
+    default = (block_v, 4, default_form(T, block_v))
     fits = (lambda bv: mixed_fits(dk, dv, bv)) if mixed else (lambda bv: dv % bv == 0)
     grid = [(bv, w, f) for bv in common.int_list(args.block_v) for w in common.int_list(args.gdn_warps)
             for f in args.gdn_forms.split(",") if fits(bv)]

@@ -6,15 +6,18 @@ the `[dk, BV]` float32 tile of the start state in registers and runs the T = 1+k
 
     h <- exp(g_t) h ;  h <- h + k_t (beta_t (v_t - h^T k_t))^T ;  o_t = h^T q_t
 
-then stores o_t and the snapshot h -> pool[write_idx[b, t]] (`form="sequential"`), or computes the
-same outputs and snapshots from the span at once (`form="chunk"`, `_chunk`; docs/model_math.md,
-"Verify span in chunk form"). A snapshot aimed at the null slot 0 is not stored. The start tile
-is loaded from pool[read_idx[b]] before any store (the read slot is one of the write slots), and
-the pool is updated in place through `input_output_aliases` (the engine donates it). Every product
-here is a matrix-vector one, so the kernel uses broadcasts and float32 reductions, no tensor-core
-dots. Its bytes are the state's (1 read + T writes of `[dk, dv]` per head); at batch 8 the snapshot
-stores are about half its time, at batch 1 the chain of per-token reductions sets it
-(docs/benchmarks.md, "GDN verify: chunk form and where the time goes").
+then stores o_t and the snapshot h -> pool[write_idx[b, t]]: unrolled token by token
+(`form="sequential"`), or as one loop over the tokens whose inputs were loaded as [T, ...] tiles
+before the start (`form="loop"`, `_recur_loop`; the default for spans of 8 or more tokens at
+64-column blocks, `default_form`), or computes the same outputs and snapshots from the span at once
+(`form="chunk"`, `_chunk`; docs/model_math.md, "Verify span in chunk form"). A snapshot aimed at the
+null slot 0 is not stored. The start tile is loaded from pool[read_idx[b]] before any store (the
+read slot is one of the write slots), and the pool is updated in place through
+`input_output_aliases` (the engine donates it). Every product here is a matrix-vector one, so the
+kernel uses broadcasts and float32 reductions, no tensor-core dots. Its bytes are the state's (1
+read + T writes of `[dk, dv]` per head); at batch 8 the snapshot stores are about half its time, at
+batch 1 the chain of per-token reductions sets it (docs/benchmarks.md, "GDN verify: chunk form and
+where the time goes").
 
 Value head j reads key head j // (HV // HK) (GVA). Tokens t >= num_valid[b] are inert: their
 q/k/v/g/beta are zeroed (as the reference does), so the state is unchanged and o_t = 0.
@@ -253,8 +256,9 @@ def _verify_mixed_kernel(
     _recur(h, [token(t) for t in range(T)], o_ref, pool_out_ref, slots, compiled=barrier)
 
 
-# V-block width: 32 columns; 64 once the grid has this many programs at 64 columns; 16 for a verify
-# span (T > 1) whose grid at 32 columns is small. Busy time per call on one H200 (docs/benchmarks.md,
+# V-block width: 32 columns; 64 once the grid has this many programs at 64 columns (or LOOP_MIN_PROGRAMS
+# for a span that takes the loop form, below); 16 for a verify span (T > 1) whose grid at 32 columns is
+# small. Busy time per call on one H200 (docs/benchmarks.md,
 # "GDN verify blocks" and "GDN verify blocks at batch 1"): 64 columns cut 7-10% at batch 32 and at
 # Qwen3.5-27B batch 8, and cost 20-70% where the grid is small (Qwen3.5-2B batch 8, batch 1); at
 # batch 1, T = 8, 16 columns cut 6-16% on the 2B, 27B and Next layouts (both kernels); at T = 1 they
@@ -267,6 +271,8 @@ def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
     """V-block width for b requests of hv value heads, dv columns each, t tokens per request."""
     if dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= WIDE_MIN_PROGRAMS:
         return WIDE_BLOCK_V
+    if loop_span(t) and dv % WIDE_BLOCK_V == 0 and b * hv * (dv // WIDE_BLOCK_V) >= LOOP_MIN_PROGRAMS:
+        return WIDE_BLOCK_V
     if t > 1 and dv % 32 == 0 and b * hv * (dv // 32) < NARROW_MAX_PROGRAMS:
         return NARROW_BLOCK_V
     return min(32, dv)
@@ -275,13 +281,29 @@ def default_block_v(b: int, hv: int, dv: int, t: int = 1) -> int:
 # How a program walks a verify span: token by token, or in chunk form (`_chunk`) from CHUNK_MIN_T tokens
 # on (None: never). On an H100 the chunk form lost at T = 8 on every layout (1.3-2.1x the sequential busy
 # time; Qwen3.5-2B verify round +77 us) and won only at batch 1, T = 2 / 4 on the 2B heads (by 0.4-0.5 us):
-# docs/benchmarks.md, "GDN verify: chunk form and where the time goes". Every span runs sequentially.
+# docs/benchmarks.md, "GDN verify: chunk form and where the time goes": no span takes it by default.
+# The loop form (`_recur_loop`: the span's inputs loaded as tiles before the start barrier, then a loop
+# over its tokens) runs 64-column blocks of spans of LOOP_MIN_T or more tokens (a power of two), and
+# `default_block_v` gives such spans 64 columns once the grid has LOOP_MIN_PROGRAMS programs at that
+# width. H100, T = 8 (docs/benchmarks.md, "GDN verify: the loop form"): at 64 columns the loop form beat
+# the sequential one on every layout and batch timed (27B batch 8: 90.5 -> 81.3 us busy, 1.07x the
+# floor; 2B batch 8: 34.1 -> 29.6, and 36.4 at the 32 columns it had before; batch 1: 22.9 -> 17.5 and
+# 19.6 -> 16.5), but at batch 1 (96 and 32 programs at 64 columns) the 16-column sequential walk stays
+# ahead (12.9 and 7.6 us). T = 16 was not timed.
 FORMS = ("sequential", "chunk", "loop")
 CHUNK_MIN_T = None
+LOOP_MIN_T, LOOP_MIN_PROGRAMS = 8, 256
 
 
-def default_form(t: int) -> str:
-    """The form for spans of t tokens (the chunk form needs t a power of two)."""
+def loop_span(t: int) -> bool:
+    """Whether spans of t tokens take the loop form at 64-column blocks (t >= LOOP_MIN_T, a power of two)."""
+    return t >= LOOP_MIN_T and is_pow2(t)
+
+
+def default_form(t: int, block_v: int | None = None) -> str:
+    """The form for spans of t tokens in blocks of block_v columns (chunk and loop need t a power of two)."""
+    if block_v is not None and block_v >= WIDE_BLOCK_V and loop_span(t):
+        return "loop"
     return "chunk" if CHUNK_MIN_T is not None and t >= CHUNK_MIN_T and is_pow2(t) else "sequential"
 
 
@@ -302,7 +324,7 @@ def _call(kernel, inputs, in_specs, pool, step, *, grid, o_shape, block_v: int, 
     (read_idx [B], write_idx [B, T], has_state [B], num_valid [B]); o [B, T, HV, dv] float32 and the
     pool aliased in place."""
     t, dk = o_shape[1], pool.shape[2]
-    form = form or default_form(t)
+    form = form or default_form(t, block_v)
     if form not in FORMS:
         raise ValueError(f"form {form!r} is not one of {FORMS}")
     if form in ("chunk", "loop") and not interpret and not is_pow2(t):

@@ -134,11 +134,28 @@ def test_default_block_v_widens_only_a_full_grid():
     assert default_block_v(64, 16, 96) == 32  # 64 does not divide 96
 
 
+def test_default_form_loops_over_long_spans_of_wide_blocks():
+    """The loop form for spans of >= LOOP_MIN_T tokens (a power of two) at 64-column blocks; the
+    sequential walk otherwise (the chunk form is never a default)."""
+    from pallas_kernels.gated_delta.recurrent import LOOP_MIN_T, default_form
+
+    assert LOOP_MIN_T == 8
+    assert default_form(8, 64) == default_form(16, 64) == "loop"
+    assert default_form(8, 32) == default_form(8, 16) == default_form(8) == "sequential"
+    assert default_form(4, 64) == default_form(12, 64) == default_form(1, 64) == "sequential"
+    # what the model's verify picks: Qwen3.5-27B / 2B heads at batch 8, k = 7 loop; batch 1 does not
+    for b, hv, form in ((8, 48, "loop"), (8, 16, "loop"), (1, 48, "sequential"), (1, 16, "sequential")):
+        assert default_form(8, default_block_v(b, hv, 128, 8)) == form, (b, hv)
+
+
 def test_default_block_v_narrows_a_small_verify_grid():
     assert default_block_v(1, 16, 128, 8) == 16  # Qwen3.5-2B, batch 1, k = 7: 64 programs at 32 columns
     assert default_block_v(1, 48, 128, 8) == 16  # Qwen3.5-27B: 192
     assert default_block_v(1, 16, 128, 1) == 32  # decode keeps 32 (equal busy time)
-    assert default_block_v(8, 16, 128, 8) == 32  # 512 programs: not small
+    assert default_block_v(8, 16, 128, 8) == 64  # 256 programs at 64 columns: the loop form's width
+    assert default_block_v(8, 16, 128, 2) == 32  # T = 2: no loop form, 512 programs at 32: not small
+    assert default_block_v(8, 16, 128, 6) == 32  # T = 6 is not a power of two
+    assert default_block_v(4, 16, 128, 8) == 32  # 128 programs at 64 columns: too few for the loop form
     assert default_block_v(8, 48, 128, 8) == 64  # a full grid widens as before
     assert default_block_v(1, 4, 16, 8) == 16  # narrower than 32 columns: the whole width
 
