@@ -29,6 +29,16 @@ few rows a projection of few column blocks (an output projection of 2048 columns
 64) otherwise gives each SM one program that walks all of K slab by slab, and a weight stream with
 that little in flight runs at a fraction of the bandwidth (docs/benchmarks.md, "Fused projections").
 
+`body` picks how a slab is multiplied. "dot": one tensor-core dot per slab, the rows padded to
+`block_m` >= 16. "fma": no tensor cores; every thread keeps float32 products of its share of the
+[rows, block_k, block_n] slab and adds each slab's into them, and the K axis is summed once, after
+the walk: the rows are padded only to a power of two, and no slab waits on a cross-thread
+reduction. At two rows the dot body spends 105-240 registers a thread on 16-row tiles, of which 14
+rows are padding, where XLA's gemm streams the same weights with 8-row tiles at 32 registers
+(docs/benchmarks.md, "Hardware counters of the decode projections"); the fma body is the lean one
+for a decode step's few rows. Its blocks keep `FMA_ACC_PER_THREAD` products a thread
+(`fma_block_k`).
+
 K and N need not be powers of two (the tail slab / column block is masked); blocks are.
 """
 
@@ -65,6 +75,13 @@ PROGRAMS_PER_SM = 1
 # Shared memory the pipeline's buffers may take (an H200 SM has 227 KiB): with many rows the x slab
 # (and the gate's) outweighs the weights', so `pipeline_stages` trims the stages to fit.
 SHARED_BYTES = 200 * 1024
+BODIES = ("dot", "fma")
+# The fma body's float32 products held per thread: [rows, block_k, block_n] (twice with `glu`) over
+# the program's threads; `fma_block_k` sizes the slab to it.
+FMA_ACC_PER_THREAD = 32
+# The fma body's programs hold few registers and no pipeline buffers, so several share an SM, and
+# those programs' loads are what keeps the weight stream in flight: split-K aims at this many an SM.
+FMA_PROGRAMS_PER_SM = 8
 
 
 def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = False) -> tuple[int, int, int, int]:
@@ -79,14 +96,15 @@ def block_sizes(rows: int, k_dim: int, n_out: int, itemsize: int, glu: bool = Fa
     return block_m, block_k, block_n, split_count(rows, k_dim, block_k, -(-n_out // block_n), itemsize)
 
 
-def split_count(rows: int, k_dim: int, block_k: int, column_blocks: int, itemsize: int) -> int:
+def split_count(rows: int, k_dim: int, block_k: int, column_blocks: int, itemsize: int,
+                per_sm: int = PROGRAMS_PER_SM) -> int:
     """Programs per column block (split-K): the fewest, dividing the K slabs, that give
-    PROGRAMS_PER_SM programs per SM, and no more than keep the partial sums' float32 traffic (written
+    `per_sm` programs per SM, and no more than keep the partial sums' float32 traffic (written
     and read back) under an eighth of the weights' bytes; 1 where that cap allows no split."""
     slabs = -(-k_dim // block_k)
     most = max(1, k_dim * itemsize // (64 * rows))  # 2 * splits * rows * 4 bytes <= K * itemsize / 8 per column
     divisors = [s for s in range(1, slabs + 1) if slabs % s == 0 and s <= most]
-    enough = [s for s in divisors if s * column_blocks >= PROGRAMS_PER_SM * device_sm_count()]
+    enough = [s for s in divisors if s * column_blocks >= per_sm * device_sm_count()]
     return enough[0] if enough else divisors[-1]
 
 
@@ -96,6 +114,13 @@ def pipeline_stages(num_stages: int, block_m: int, block_k: int, block_n: int, i
     pass SHARED_BYTES; at least 1."""
     slab = block_k * (block_m * (1 + has_gate) + block_n * (1 + glu)) * itemsize
     return max(1, min(num_stages, SHARED_BYTES // slab))
+
+
+def fma_block_k(block_m: int, block_n: int, num_warps: int, glu: bool) -> int:
+    """The fma body's K slab: the most rows (a power of two, 1 to BLOCK_K) for which the products of
+    block_m rows x block_n columns (twice with glu) stay within FMA_ACC_PER_THREAD a thread."""
+    room = FMA_ACC_PER_THREAD * 32 * num_warps // (block_m * block_n * (1 + glu))
+    return max(1, min(BLOCK_K, 1 << max(0, room.bit_length() - 1)))
 
 
 def gated_fits(group: int) -> bool:
@@ -142,6 +167,7 @@ def _fused_kernel(
     block_n: int,
     slabs_per_split: int,
     split: bool,
+    body: str,
 ):
     refs = list(refs)
     g_ref = refs.pop(0) if has_norm else None
@@ -186,11 +212,20 @@ def _fused_kernel(
             else:
                 w_at, w_mask = w_ref.at[ks[:, None], at + cols[None, :]], k_ok[:, None] & col_ok[None, :]
             wb = pltriton.load(w_at, mask=w_mask, other=0.0) if k_tail or n_tail else w_at[...]
-            new.append(acc + dot(xb, wb, contract_b=1 if weight_nk else 0))
+            if body == "dot":
+                new.append(acc + dot(xb, wb, contract_b=1 if weight_nk else 0))
+            else:  # products [block_m, block_k, block_n] ([.., block_n, block_k] for nk), K summed after the walk
+                xf, wf = xb.astype(jnp.float32), wb.astype(jnp.float32)[None]
+                new.append(acc + (xf[:, None, :] if weight_nk else xf[:, :, None]) * wf)
         return tuple(new), squares
 
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in offsets)
+    acc_shape = (block_m, block_n)
+    if body == "fma":
+        acc_shape = (block_m, block_n, block_k) if weight_nk else (block_m, block_k, block_n)
+    zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in offsets)
     accs, squares = jax.lax.fori_loop(0, slabs_per_split, k_step, (zeros, jnp.zeros((block_m,), jnp.float32)))
+    if body == "fma":
+        accs = tuple(jnp.sum(acc, axis=2 if weight_nk else 1) for acc in accs)
     if not split:
         (o_ref,) = refs
         _finish(accs, squares, r_ref, o_ref, row=row, cols=cols, row_ok=row_ok, col_ok=col_ok, scaled=scaled,
@@ -251,6 +286,7 @@ def fused_linear_pallas(
     blocks: tuple[int, int] | None = None,
     weight_nk: bool = False,
     splits: int | None = None,
+    body: str = "dot",
 ) -> jax.Array:
     """reference.fused_linear in one kernel (two with split-K). blocks: (block_k, block_n), powers of two >= 16; None
     picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16).
@@ -259,14 +295,22 @@ def fused_linear_pallas(
     splits: programs per column block, each walking an equal run of the K slabs (split-K; it must
     divide the slab count), their partial sums added by a second kernel that runs the epilogue;
     None: `split_count`'s (for the blocks used); 1: one pass, the epilogue in the same kernel.
+    body: "dot" (tensor cores, rows padded to >= 16) or "fma" (per-thread products, K summed once;
+    rows padded to a power of two; block_k defaults to `fma_block_k`, splits aim at
+    FMA_PROGRAMS_PER_SM programs an SM), see the module docstring.
     Arguments are checked by api.py, which passes [K, N]."""
     rows, k_dim = x.shape
     if rows > MAX_ROWS:
         raise ValueError(f"fused_linear_pallas takes at most {MAX_ROWS} rows; got x {x.shape}")
     if w.shape[1 if weight_nk else 0] != k_dim:
         raise ValueError(f"w must be {'[N, K]' if weight_nk else '[K, N]'} with K = {k_dim}; got w {w.shape}")
+    if body not in BODIES:
+        raise ValueError(f"body must be one of {BODIES}; got {body!r}")
     n_out = output_columns(w.shape[0 if weight_nk else 1], glu)
     block_m, block_k, block_n, _ = block_sizes(rows, k_dim, n_out, x.dtype.itemsize, glu)
+    if body == "fma":
+        block_m = pow2_at_least(rows, 1)
+        block_k = min(block_k, fma_block_k(block_m, block_n, num_warps, glu))
     if blocks is not None:
         block_k, block_n = blocks
     if gate is not None and norm is not None:
@@ -274,7 +318,8 @@ def fused_linear_pallas(
         if not gated_fits(block_k):
             raise ValueError(f"a gated norm's group must be a power of two >= {MIN_DOT}; got {block_k}")
     if splits is None:
-        splits = split_count(rows, k_dim, block_k, pl.cdiv(n_out, block_n), x.dtype.itemsize)
+        per_sm = FMA_PROGRAMS_PER_SM if body == "fma" else PROGRAMS_PER_SM
+        splits = split_count(rows, k_dim, block_k, pl.cdiv(n_out, block_n), x.dtype.itemsize, per_sm)
     slabs = pl.cdiv(k_dim, block_k)
     if splits < 1 or slabs % splits:
         raise ValueError(f"splits must be a divisor of the {slabs} K slabs ({k_dim} / {block_k}); got {splits}")
@@ -285,7 +330,7 @@ def fused_linear_pallas(
                                gate_group=gate_group, gate_pitch=gate_pitch, zero_centered=zero_centered, glu=glu,
                                has_residual=residual is not None and not split, weight_nk=weight_nk, eps=eps,
                                rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k,
-                               block_n=block_n, slabs_per_split=slabs // splits, split=split)
+                               block_n=block_n, slabs_per_split=slabs // splits, split=split, body=body)
     operands = [a for a in (x, w, norm, gate, None if split else residual) if a is not None]
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((rows, n_out), x.dtype)]

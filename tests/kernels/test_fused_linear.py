@@ -12,10 +12,12 @@ import pytest
 from pallas_kernels.linear import api
 from pallas_kernels.linear.kernel import (
     BLOCK_K,
+    FMA_ACC_PER_THREAD,
     MAX_ROWS,
     PROGRAMS_PER_SM,
     WIDE_BLOCK_N,
     block_sizes,
+    fma_block_k,
     fused_linear_pallas,
     split_count,
 )
@@ -60,15 +62,15 @@ def rel_rms(got, want) -> float:
 
 
 def check(seed, rows, k_dim, n_dim, *, norm, glu, residual, dtype, implementation="pallas", interpret=None,
-          weight_nk: bool = False, splits: int | None = None, blocks=None):
-    """weight_nk / splits / blocks: the kernel itself (interpret as given) with the weight stored [N, K]
-    / K split among that many programs / those (block_k, block_n)."""
+          weight_nk: bool = False, splits: int | None = None, blocks=None, body: str = "dot"):
+    """weight_nk / splits / blocks / body: the kernel itself (interpret as given) with the weight stored
+    [N, K] / K split among that many programs / those (block_k, block_n) / that body."""
     args, as64 = case(seed, rows, k_dim, n_dim, norm=norm, glu=glu, residual=residual, dtype=dtype)
     zc = norm == "zero_centered"
-    if weight_nk or splits is not None or blocks is not None:
+    if weight_nk or splits is not None or blocks is not None or body != "dot":
         x, w, g, r = args
         got = fused_linear_pallas(x, w.T if weight_nk else w, g, r, eps=EPS, zero_centered=zc, glu=glu,
-                                  weight_nk=weight_nk, splits=splits, blocks=blocks,
+                                  weight_nk=weight_nk, splits=splits, blocks=blocks, body=body,
                                   interpret=True if interpret is None else interpret)
     else:
         got = api.fused_linear(*args, eps=EPS, zero_centered=zc, glu=glu, implementation=implementation,
@@ -144,6 +146,47 @@ def test_split_k_gives_the_oracle(shape, splits, epilogue, weight_nk):
 
 def test_split_k_in_bfloat16():
     check(14, *SHAPES["verify"], dtype=jnp.bfloat16, splits=4, blocks=(32, 32), **EPILOGUES["all"])
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fma_body_gives_the_oracle(shape, epilogue):
+    """The CUDA-core body (per-thread products, K summed after the walk), rows padded to a power of
+    two only, at its default blocks (which split K) and in one pass."""
+    check(17, *SHAPES[shape], dtype=jnp.float32, body="fma", **EPILOGUES[epilogue])
+    check(17, *SHAPES[shape], dtype=jnp.float32, body="fma", splits=1, **EPILOGUES[epilogue])
+
+
+@pytest.mark.parametrize("weight_nk", [False, True])
+@pytest.mark.parametrize("shape, splits, blocks", [("decode", 4, (16, 16)), ("odd_dims", 5, (16, 16)),
+                                                   ("verify", 2, (32, 64))])
+def test_fma_body_with_split_k_and_both_layouts(shape, splits, blocks, weight_nk):
+    check(18, *SHAPES[shape], dtype=jnp.float32, body="fma", weight_nk=weight_nk, splits=splits, blocks=blocks,
+          **EPILOGUES["all"])
+
+
+def test_fma_body_in_bfloat16():
+    check(19, *SHAPES["decode"], dtype=jnp.bfloat16, body="fma", **EPILOGUES["all"])
+    check(19, *SHAPES["odd_dims"], dtype=jnp.bfloat16, body="fma", weight_nk=True, **EPILOGUES["norm_glu"])
+
+
+def test_fma_blocks_keep_the_products_per_thread():
+    """fma_block_k: the most K rows (a power of two, 1 .. BLOCK_K) whose products fit
+    FMA_ACC_PER_THREAD a thread; the default fma blocks pad the rows to a power of two only."""
+    threads = 32 * 4
+    for block_m, block_n, glu in ((1, 128, False), (2, 128, False), (2, 128, True), (8, 64, False), (64, 128, True)):
+        k = fma_block_k(block_m, block_n, 4, glu)
+        assert k & (k - 1) == 0 and 1 <= k <= BLOCK_K
+        assert block_m * k * block_n * (1 + glu) <= FMA_ACC_PER_THREAD * threads or k == 1
+        assert k == BLOCK_K or block_m * 2 * k * block_n * (1 + glu) > FMA_ACC_PER_THREAD * threads
+    assert fma_block_k(2, 128, 4, False) == 16 and fma_block_k(2, 64, 4, True) == 16
+
+
+def test_bodies_are_checked():
+    x, w = jnp.zeros((2, 64)), jnp.zeros((64, 32))
+    with pytest.raises(ValueError, match=r"body must be one of \('dot', 'fma'\); got 'wmma'"):
+        fused_linear_pallas(x, w, body="wmma", interpret=True)
+    assert fused_linear_pallas(x, w, body="fma", interpret=True).shape == (2, 32)
 
 
 def test_splits_must_divide_the_k_slabs():
@@ -346,6 +389,20 @@ class TestPallasGPU:
         """splits=1 (the defaults split K at these rows): the epilogue in the same kernel."""
         k_dim, n_dim, epilogue = PUBLISHED[name]
         check(6, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, splits=1, **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("weight_nk", [False, True])
+    @pytest.mark.parametrize("rows", [1, 2, 8])
+    @pytest.mark.parametrize("name", PUBLISHED)
+    def test_published_projections_fma_body(self, name, rows, weight_nk):
+        k_dim, n_dim, epilogue = PUBLISHED[name]
+        check(6, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, body="fma", weight_nk=weight_nk,
+              **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("epilogue", EPILOGUES)
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_small_fma_body(self, shape, epilogue, dtype):
+        check(5, *SHAPES[shape], dtype=dtype, interpret=False, body="fma", **EPILOGUES[epilogue])
 
     @pytest.mark.parametrize("rows", [2, 8])
     @pytest.mark.parametrize("name", ["2b_gdn_in", "2b_gate_up", "2b_down"])
