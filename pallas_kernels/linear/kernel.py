@@ -24,7 +24,9 @@ block, each output rounded to x.dtype where the reference rounds it.
 
 With `splits` > 1 the K slabs are also divided among programs (split-K): program (j, s) walks the
 s-th run of slabs of column block j and stores its float32 partial sums (and, for the RMSNorm, the
-run's partial sum of squares), and a second kernel sums the runs and applies the same epilogue. At
+run's partial sum of squares), and the runs are summed and given the same epilogue either by a
+second kernel (`merge="kernel"`) or, in the same launch, by the last program of each column block to
+finish, which an atomic counter tells (`merge="fused"`, as the attention kernel's split-KV merge). At
 few rows a projection of few column blocks (an output projection of 2048 columns is 32 blocks of
 64) otherwise gives each SM one program that walks all of K slab by slab, and a weight stream with
 that little in flight runs at a fraction of the bandwidth (docs/benchmarks.md, "Fused projections").
@@ -76,6 +78,7 @@ PROGRAMS_PER_SM = 1
 # (and the gate's) outweighs the weights', so `pipeline_stages` trims the stages to fit.
 SHARED_BYTES = 200 * 1024
 BODIES = ("dot", "fma")
+MERGES = ("kernel", "fused")
 # The fma body's float32 products held per thread: [rows, block_k, block_n] (twice with `glu`) over
 # the program's threads; `fma_block_k` sizes the slab to it.
 FMA_ACC_PER_THREAD = 32
@@ -147,8 +150,10 @@ def _finish(accs, squares, r_ref, o_ref, *, row, cols, row_ok, col_ok, scaled: b
 def _fused_kernel(
     x_ref,  # [M, K]
     w_ref,  # [K, N]  (glu: [gate | up], N = 2 * n_out); weight_nk: [N, K]
-    *refs,  # norm [K] (gated: [block_k]), gate [M, *], residual [M, n_out] (each when given), then the outputs:
-    #         out [M, n_out]; or, split (splits > 1), partial sums [splits * M, N] (and squares [splits * M])
+    *refs,  # norm [K] (gated: [block_k]), gate [M, *], residual [M, n_out] (each when given; with split-K
+    #         and merge "kernel" the residual goes to the second kernel), then the outputs: out [M, n_out];
+    #         or, split (splits > 1), partial sums [splits * M, N] (and squares [column blocks * splits * M]),
+    #         merge "fused" preceded by the counters' input and followed by out and the counters
     has_norm: bool,
     has_gate: bool,
     gate_at: int,
@@ -166,8 +171,10 @@ def _fused_kernel(
     block_k: int,
     block_n: int,
     slabs_per_split: int,
-    split: bool,
+    splits: int,
     body: str,
+    merge: str,
+    barrier: bool,
 ):
     refs = list(refs)
     g_ref = refs.pop(0) if has_norm else None
@@ -179,6 +186,7 @@ def _fused_kernel(
     slab = jnp.arange(block_k, dtype=jnp.int32)
     cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < n_out
+    split = splits > 1
     first_slab = pl.program_id(1) * slabs_per_split
     k_tail, n_tail = k_dim % block_k != 0, n_out % block_n != 0
     offsets = (0, n_out) if glu else (0,)  # the up projection's columns follow the gate's
@@ -231,28 +239,39 @@ def _fused_kernel(
         _finish(accs, squares, r_ref, o_ref, row=row, cols=cols, row_ok=row_ok, col_ok=col_ok, scaled=scaled,
                 glu=glu, has_residual=has_residual, eps=eps, k_dim=k_dim)
         return
-    part_ref = refs[0]
-    at_rows = pl.program_id(1) * rows + row  # this split's rows of the partial sums
+    if merge == "fused":
+        refs.pop(0)  # the counters' input, aliased to the counters output (zeros at the launch), not read
+    part_ref = refs.pop(0)
+    sq_ref = refs.pop(0) if scaled else None
+    j, s = pl.program_id(0), pl.program_id(1)
+    at_rows = s * rows + row  # this split's rows of the partial sums
     for acc, at in zip(accs, offsets, strict=True):
         pltriton.store(part_ref.at[at_rows[:, None], at + cols[None, :]], acc, mask=row_ok[:, None] & col_ok[None, :])
-    if scaled:  # every column block sums the same squares: the first stores them
+    if scaled:  # every program stores its run's squares, at its column block's rows
+        pltriton.store(sq_ref.at[j * splits * rows + at_rows], squares, mask=row_ok)
+    if merge == "kernel":
+        return
+    o_ref, count_ref = refs
+    # As the attention kernel's fused merge (pallas_kernels/attention/kernel.py, `_fused_merge`): the
+    # barrier orders the whole program's stores before the add, which is acquire-release at GPU
+    # scope, so the program that reads splits - 1 sees every other split's partial sums.
+    if barrier:  # the interpreter runs programs one after the other (and has no barrier)
+        pltriton.debug_barrier()
+    arrived = pltriton.atomic_add(count_ref, j, jnp.ones((), jnp.int32))
 
-        @pl.when(pl.program_id(0) == 0)
-        def _():
-            pltriton.store(refs[1].at[at_rows], squares, mask=row_ok)
+    @pl.when(arrived == splits - 1)
+    def _merge():
+        _merge_splits(j, part_ref, sq_ref, r_ref, o_ref, splits=splits, scaled=scaled, glu=glu,
+                      has_residual=has_residual, eps=eps, rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m,
+                      block_n=block_n)
 
 
-def _combine_kernel(part_ref, *refs, splits: int, scaled: bool, glu: bool, has_residual: bool, eps: float,
-                    rows: int, k_dim: int, n_out: int, block_m: int, block_n: int):
-    """Split-K's second pass: sum the splits' partial sums (and squares) of one column block, then the
-    same epilogue as the one-pass kernel."""
-    refs = list(refs)
-    sq_ref = refs.pop(0) if scaled else None
-    r_ref = refs.pop(0) if has_residual else None
-    (o_ref,) = refs
+def _merge_splits(j, part_ref, sq_ref, r_ref, o_ref, *, splits: int, scaled: bool, glu: bool, has_residual: bool,
+                  eps: float, rows: int, k_dim: int, n_out: int, block_m: int, block_n: int):
+    """Sum the splits' partial sums (and squares) of column block j, then the one-pass epilogue."""
     row = jnp.arange(block_m, dtype=jnp.int32)
     row_ok = row < rows
-    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    cols = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < n_out
     mask = row_ok[:, None] & col_ok[None, :]
     accs = [jnp.zeros((block_m, block_n), jnp.float32) for _ in range(1 + glu)]
@@ -263,9 +282,18 @@ def _combine_kernel(part_ref, *refs, splits: int, scaled: bool, glu: bool, has_r
             accs[i] = accs[i] + pltriton.load(part_ref.at[at_rows[:, None], i * n_out + cols[None, :]], mask=mask,
                                               other=0.0)
         if scaled:
-            squares = squares + pltriton.load(sq_ref.at[at_rows], mask=row_ok, other=0.0)
+            squares = squares + pltriton.load(sq_ref.at[j * splits * rows + at_rows], mask=row_ok, other=0.0)
     _finish(tuple(accs), squares, r_ref, o_ref, row=row, cols=cols, row_ok=row_ok, col_ok=col_ok, scaled=scaled,
             glu=glu, has_residual=has_residual, eps=eps, k_dim=k_dim)
+
+
+def _combine_kernel(part_ref, *refs, scaled: bool, has_residual: bool, **kw):
+    """Split-K's second pass (merge "kernel"): one program per column block, `_merge_splits`."""
+    refs = list(refs)
+    sq_ref = refs.pop(0) if scaled else None
+    r_ref = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
+    _merge_splits(pl.program_id(0), part_ref, sq_ref, r_ref, o_ref, scaled=scaled, has_residual=has_residual, **kw)
 
 
 def fused_linear_pallas(
@@ -287,6 +315,7 @@ def fused_linear_pallas(
     weight_nk: bool = False,
     splits: int | None = None,
     body: str = "dot",
+    merge: str = "kernel",
 ) -> jax.Array:
     """reference.fused_linear in one kernel (two with split-K). blocks: (block_k, block_n), powers of two >= 16; None
     picks `block_sizes` (with a gated norm, block_k is the norm's group, a power of two >= 16).
@@ -298,6 +327,8 @@ def fused_linear_pallas(
     body: "dot" (tensor cores, rows padded to >= 16) or "fma" (per-thread products, K summed once;
     rows padded to a power of two; block_k defaults to `fma_block_k`, splits aim at
     FMA_PROGRAMS_PER_SM programs an SM), see the module docstring.
+    merge: where split-K's partial sums meet: "kernel", a second launch; "fused", the last program of
+    each column block to finish (an atomic counter tells), in the same launch.
     Arguments are checked by api.py, which passes [K, N]."""
     rows, k_dim = x.shape
     if rows > MAX_ROWS:
@@ -306,6 +337,8 @@ def fused_linear_pallas(
         raise ValueError(f"w must be {'[N, K]' if weight_nk else '[K, N]'} with K = {k_dim}; got w {w.shape}")
     if body not in BODIES:
         raise ValueError(f"body must be one of {BODIES}; got {body!r}")
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}; got {merge!r}")
     n_out = output_columns(w.shape[0 if weight_nk else 1], glu)
     block_m, block_k, block_n, _ = block_sizes(rows, k_dim, n_out, x.dtype.itemsize, glu)
     if body == "fma":
@@ -324,27 +357,37 @@ def fused_linear_pallas(
     if splits < 1 or slabs % splits:
         raise ValueError(f"splits must be a divisor of the {slabs} K slabs ({k_dim} / {block_k}); got {splits}")
     split = splits > 1
+    fused = split and merge == "fused"
     scaled = norm is not None and gate is None
+    columns = pl.cdiv(n_out, block_n)
     gate_group, gate_pitch = gate_layout or (k_dim, k_dim)
     kernel = functools.partial(_fused_kernel, has_norm=norm is not None, has_gate=gate is not None, gate_at=gate_at,
                                gate_group=gate_group, gate_pitch=gate_pitch, zero_centered=zero_centered, glu=glu,
-                               has_residual=residual is not None and not split, weight_nk=weight_nk, eps=eps,
-                               rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k,
-                               block_n=block_n, slabs_per_split=slabs // splits, split=split, body=body)
-    operands = [a for a in (x, w, norm, gate, None if split else residual) if a is not None]
+                               has_residual=residual is not None and (fused or not split), weight_nk=weight_nk,
+                               eps=eps, rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k,
+                               block_n=block_n, slabs_per_split=slabs // splits, splits=splits, body=body,
+                               merge=merge, barrier=not interpret)
+    operands = [a for a in (x, w, norm, gate, residual if fused or not split else None) if a is not None]
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-    out_shape = [jax.ShapeDtypeStruct((rows, n_out), x.dtype)]
+    out = jax.ShapeDtypeStruct((rows, n_out), x.dtype)
+    out_shape, aliases = [out], {}
     if split:
         out_shape = [jax.ShapeDtypeStruct((splits * rows, n_out * (1 + glu)), jnp.float32)]
-        out_shape += [jax.ShapeDtypeStruct((splits * rows,), jnp.float32)] if scaled else []
+        out_shape += [jax.ShapeDtypeStruct((columns * splits * rows,), jnp.float32)] if scaled else []
+    if fused:  # the counters (zeros at the launch), updated in place
+        counters = jax.ShapeDtypeStruct((columns,), jnp.int32)
+        operands.append(jnp.zeros(counters.shape, counters.dtype))
+        out_shape += [out, counters]
+        aliases = {len(operands) - 1: len(out_shape) - 1}
     stages = pipeline_stages(min(num_stages, slabs // splits), block_m, block_k, block_n, x.dtype.itemsize,
                              glu=glu, has_gate=gate is not None)
     call = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(n_out, block_n), splits),
+        grid=(columns, splits),
         in_specs=[whole(a.shape) for a in operands],
         out_specs=[whole(o.shape) for o in out_shape],
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=triton_compiler_params(num_warps, stages),
         interpret=interpret,
         name="fused_linear",
@@ -353,16 +396,18 @@ def fused_linear_pallas(
         outs = call(*operands)
     if not split:
         return outs[0]
+    if fused:
+        return outs[-2]
     combine = functools.partial(_combine_kernel, splits=splits, scaled=scaled, glu=glu,
                                 has_residual=residual is not None, eps=eps, rows=rows, k_dim=k_dim, n_out=n_out,
                                 block_m=block_m, block_n=block_n)
     operands = [*outs, *([] if residual is None else [residual])]
     call = pl.pallas_call(
         combine,
-        grid=(pl.cdiv(n_out, block_n),),
+        grid=(columns,),
         in_specs=[whole(a.shape) for a in operands],
         out_specs=whole((rows, n_out)),
-        out_shape=jax.ShapeDtypeStruct((rows, n_out), x.dtype),
+        out_shape=out,
         compiler_params=triton_compiler_params(num_warps, 1),
         interpret=interpret,
         name="fused_linear_combine",
