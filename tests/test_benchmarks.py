@@ -177,8 +177,8 @@ def test_kernel_sweep_smoke(smoke):
     assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
     # K slabs of 64 (the gated norm: its 128-channel group) x column blocks 16 / 32, 4 warps, 3 stages, weights
     # [K, N] and [N, K], splits 1 / 2 where they divide the K slabs (out's 256 = two slabs; gate_up's and
-    # down's K fit one), the dot and fma bodies, merge "kernel"; the default (64 columns, 4 stages, [K, N], `split_count`'s
-    # splits, dot); XLA's ops
+    # down's K fit one), the dot and fma bodies, merge "kernel"; the default (64 columns, 4 stages, [K, N],
+    # `split_count`'s splits, dot); XLA's ops
     linear = {(r["layout"], tuple(r["config"])) for r in rows if r["kernel"] == "linear"}
 
     def grid(k, splits, default):
