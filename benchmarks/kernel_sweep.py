@@ -81,6 +81,7 @@ SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block
              prefill_stages="1",
              f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
              linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", linear_splits="1,2",
+             linear_bodies="dot,fma", linear_merges="kernel",
              reps=2, repeats=3, traced=1, compile_threads=2, bandwidth_gib=1 / 32)
 
 
@@ -121,6 +122,10 @@ def parse(argv=None):
     p.add_argument("--linear-stages", default="3,4", help="linear: Triton pipeline stages")
     p.add_argument("--linear-splits", default="1,4,8,16",
                    help="linear: programs per column block splitting K (split-K; those dividing the K slabs)")
+    p.add_argument("--linear-bodies", default="dot",
+                   help="linear: how a slab multiplies, dot (tensor cores) and / or fma (per-thread products)")
+    p.add_argument("--linear-merges", default="kernel",
+                   help="linear: where split-K's partial sums meet, kernel (a second launch) and / or fused")
     p.add_argument("--linear-weights", default="kn,nk",
                    help="linear: weight layouts, kn ([K, N], the model's) and / or nk ([N, K], transposed)")
     p.add_argument("--reps", type=int, default=8, help="kernel calls inside one timed executable")
@@ -208,7 +213,7 @@ def _conv_configs(args) -> tuple[list[tuple], tuple]:
 
 
 def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.linear.kernel import block_sizes, split_count
+    from pallas_kernels.linear.kernel import BODIES, MERGES, block_sizes, split_count
 
     k_dim, n_dim, epilogue = layout
     glu = epilogue.startswith("glu")
@@ -218,13 +223,16 @@ def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
     if epilogue == "gated":  # one slab per norm group, and the kernel's split count for that slab
         block_k, block_ks = GATE_GROUP, [GATE_GROUP]
         splits = split_count(rows, k_dim, block_k, -(-n_out // block_n), 2)
-    default = (block_k, block_n, 4, 4, "kn", splits)  # fused_linear_pallas' defaults (bfloat16)
+    default = (block_k, block_n, 4, 4, "kn", splits, "dot", "kernel")  # fused_linear_pallas' defaults (bfloat16)
     weights = [w for w in args.linear_weights.split(",") if w]
     if not weights or set(weights) - {"kn", "nk"}:
         raise SystemExit(f"--linear-weights takes kn and / or nk; got {args.linear_weights!r}")
+    common.check_choices("--linear-bodies", args.linear_bodies, BODIES, "body")
+    common.check_choices("--linear-merges", args.linear_merges, MERGES, "merge")
     axes = (block_ks, *(common.int_list(x) for x in (args.linear_block_n, args.linear_warps, args.linear_stages)),
-            weights, common.int_list(args.linear_splits))
-    grid = [c for c in itertools.product(*axes) if -(-k_dim // c[0]) % c[5] == 0]  # splits divide the K slabs
+            weights, common.int_list(args.linear_splits), args.linear_bodies.split(","), args.linear_merges.split(","))
+    # splits dividing the K slabs; one pass has no merge to vary
+    grid = [c for c in itertools.product(*axes) if -(-k_dim // c[0]) % c[5] == 0 and (c[5] > 1 or c[7] == "kernel")]
     return sorted(set(grid) | {default}) + [("xla",)], default
 
 
@@ -259,9 +267,10 @@ def _linear_fn(config, layout, reps: int, interpret: bool):
     if config == ("xla",):
         fn = functools.partial(reference.fused_linear, **kw)
     else:
-        block_k, block_n, warps, stages, weights, splits = config
+        block_k, block_n, warps, stages, weights, splits, body, merge = config
         fn = functools.partial(fused_linear_pallas, interpret=interpret, num_warps=warps, num_stages=stages,
-                               blocks=(block_k, block_n), weight_nk=weights == "nk", splits=splits, **kw)
+                               blocks=(block_k, block_n), weight_nk=weights == "nk", splits=splits, body=body,
+                               merge=merge, **kw)
     residual = epilogue in ("residual", "gated")
     w_name = "w_nk" if config != ("xla",) and config[4] == "nk" else "w"
 
@@ -524,7 +533,7 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 def print_tables(res) -> None:
     fields = {"attention": "pages/step, splits, warps, stages, merge", "gdn_verify(_mixed)": "block_v, warps, form",
               "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
-              "linear": "block_k, block_n, warps, stages, weights kn / nk, splits (or xla)"}
+              "linear": "block_k, block_n, warps, stages, weights kn / nk, splits, body, merge (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"] or 0))
     table = [[r["kernel"], r["layout"], r["B"], r["T"], r["context"] or "",

@@ -177,15 +177,17 @@ def test_kernel_sweep_smoke(smoke):
     assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
     # K slabs of 64 (the gated norm: its 128-channel group) x column blocks 16 / 32, 4 warps, 3 stages, weights
     # [K, N] and [N, K], splits 1 / 2 where they divide the K slabs (out's 256 = two slabs; gate_up's and
-    # down's K fit one); the default (64 columns, 4 stages, [K, N], `split_count`'s splits); XLA's ops
+    # down's K fit one), the dot and fma bodies, merge "kernel"; the default (64 columns, 4 stages, [K, N],
+    # `split_count`'s splits, dot); XLA's ops
     linear = {(r["layout"], tuple(r["config"])) for r in rows if r["kernel"] == "linear"}
 
     def grid(k, splits, default):
-        return {(k, n, 4, 3, w, s) for n in (16, 32) for w in ("kn", "nk") for s in splits} | {default, ("xla",)}
+        return {(k, n, 4, 3, w, s, b, "kernel") for n in (16, 32) for w in ("kn", "nk") for s in splits
+                for b in ("dot", "fma")} | {default, ("xla",)}
 
-    want = grid(64, (1,), (64, 64, 4, 4, "kn", 1))
+    want = grid(64, (1,), (64, 64, 4, 4, "kn", 1, "dot", "kernel"))
     assert linear == ({(f"demo:{proj}", c) for proj in ("gate_up", "down") for c in want}
-                      | {("demo:out", c) for c in grid(128, (1, 2), (128, 64, 4, 4, "kn", 2))}), linear
+                      | {("demo:out", c) for c in grid(128, (1, 2), (128, 64, 4, 4, "kn", 2, "dot", "kernel"))}), linear
     assert sum(r["default"] for r in rows) == 8  # one default per (kernel, shape)
     for r in rows:
         assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU

@@ -12,10 +12,12 @@ import pytest
 from pallas_kernels.linear import api
 from pallas_kernels.linear.kernel import (
     BLOCK_K,
+    FMA_ACC_PER_THREAD,
     MAX_ROWS,
     PROGRAMS_PER_SM,
     WIDE_BLOCK_N,
     block_sizes,
+    fma_block_k,
     fused_linear_pallas,
     split_count,
 )
@@ -60,15 +62,16 @@ def rel_rms(got, want) -> float:
 
 
 def check(seed, rows, k_dim, n_dim, *, norm, glu, residual, dtype, implementation="pallas", interpret=None,
-          weight_nk: bool = False, splits: int | None = None, blocks=None):
-    """weight_nk / splits / blocks: the kernel itself (interpret as given) with the weight stored [N, K]
-    / K split among that many programs / those (block_k, block_n)."""
+          weight_nk: bool = False, splits: int | None = None, blocks=None, body: str = "dot", merge: str = "kernel"):
+    """weight_nk / splits / blocks / body / merge: the kernel itself (interpret as given) with the weight
+    stored [N, K] / K split among that many programs / those (block_k, block_n) / that body / split-K's
+    partial sums merged there."""
     args, as64 = case(seed, rows, k_dim, n_dim, norm=norm, glu=glu, residual=residual, dtype=dtype)
     zc = norm == "zero_centered"
-    if weight_nk or splits is not None or blocks is not None:
+    if weight_nk or splits is not None or blocks is not None or body != "dot" or merge != "kernel":
         x, w, g, r = args
         got = fused_linear_pallas(x, w.T if weight_nk else w, g, r, eps=EPS, zero_centered=zc, glu=glu,
-                                  weight_nk=weight_nk, splits=splits, blocks=blocks,
+                                  weight_nk=weight_nk, splits=splits, blocks=blocks, body=body, merge=merge,
                                   interpret=True if interpret is None else interpret)
     else:
         got = api.fused_linear(*args, eps=EPS, zero_centered=zc, glu=glu, implementation=implementation,
@@ -132,18 +135,78 @@ def test_swept_blocks_agree_with_the_default():
         assert rel_rms(got, want) < RTOL[jnp.float32], blocks
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
 @pytest.mark.parametrize("weight_nk", [False, True])
 @pytest.mark.parametrize("epilogue", ["norm", "zero_centered_glu", "residual", "all"])
 @pytest.mark.parametrize("shape, splits", [("decode", 2), ("decode", 4), ("odd_dims", 5), ("verify", 8)])
-def test_split_k_gives_the_oracle(shape, splits, epilogue, weight_nk):
+def test_split_k_gives_the_oracle(shape, splits, epilogue, weight_nk, merge):
     """K split among programs (16-wide slabs: 4, 5 and 8 of them), the partial sums and the norm's
-    squares added by the second kernel, which runs the epilogue; K and N tails masked."""
+    squares added, and the epilogue run, by the second kernel or by the last program of each column
+    block (interpreted, programs run in order: the counter still has to reach splits - 1); K and N
+    tails masked."""
     check(13, *SHAPES[shape], dtype=jnp.float32, weight_nk=weight_nk, splits=splits, blocks=(16, 16),
-          **EPILOGUES[epilogue])
+          merge=merge, **EPILOGUES[epilogue])
 
 
-def test_split_k_in_bfloat16():
-    check(14, *SHAPES["verify"], dtype=jnp.bfloat16, splits=4, blocks=(32, 32), **EPILOGUES["all"])
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
+def test_split_k_in_bfloat16(merge):
+    check(14, *SHAPES["verify"], dtype=jnp.bfloat16, splits=4, blocks=(32, 32), merge=merge, **EPILOGUES["all"])
+
+
+def test_fused_merge_counts_every_split():
+    """The fused merge with the norm's squares and the residual; an unknown merge is refused by name;
+    one pass (splits = 1) has nothing to merge and takes either."""
+    args, as64 = case(20, 2, 64, 48, norm="scale", glu=False, residual=True, dtype=jnp.float32)
+    got = fused_linear_pallas(*args, eps=EPS, splits=4, blocks=(16, 16), merge="fused", interpret=True)
+    want = oracle(*as64, zero_centered=False, glu=False)
+    assert rel_rms(got, want) < RTOL[jnp.float32]
+    with pytest.raises(ValueError, match=r"merge must be one of \('kernel', 'fused'\); got 'atomic'"):
+        fused_linear_pallas(*args, eps=EPS, splits=4, blocks=(16, 16), merge="atomic", interpret=True)
+    # one pass (splits = 1) ignores the merge
+    one = fused_linear_pallas(*args, eps=EPS, splits=1, blocks=(16, 16), merge="fused", interpret=True)
+    assert rel_rms(one, want) < RTOL[jnp.float32]
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fma_body_gives_the_oracle(shape, epilogue):
+    """The CUDA-core body (per-thread products, K summed after the walk), rows padded to a power of
+    two only, at its default blocks (which split K) and in one pass."""
+    check(17, *SHAPES[shape], dtype=jnp.float32, body="fma", **EPILOGUES[epilogue])
+    check(17, *SHAPES[shape], dtype=jnp.float32, body="fma", splits=1, **EPILOGUES[epilogue])
+
+
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
+@pytest.mark.parametrize("weight_nk", [False, True])
+@pytest.mark.parametrize("shape, splits, blocks", [("decode", 4, (16, 16)), ("odd_dims", 5, (16, 16)),
+                                                   ("verify", 2, (32, 64))])
+def test_fma_body_with_split_k_and_both_layouts(shape, splits, blocks, weight_nk, merge):
+    check(18, *SHAPES[shape], dtype=jnp.float32, body="fma", weight_nk=weight_nk, splits=splits, blocks=blocks,
+          merge=merge, **EPILOGUES["all"])
+
+
+def test_fma_body_in_bfloat16():
+    check(19, *SHAPES["decode"], dtype=jnp.bfloat16, body="fma", **EPILOGUES["all"])
+    check(19, *SHAPES["odd_dims"], dtype=jnp.bfloat16, body="fma", weight_nk=True, **EPILOGUES["norm_glu"])
+
+
+def test_fma_blocks_keep_the_products_per_thread():
+    """fma_block_k: the most K rows (a power of two, 1 .. BLOCK_K) whose products fit
+    FMA_ACC_PER_THREAD a thread; the default fma blocks pad the rows to a power of two only."""
+    threads = 32 * 4
+    for block_m, block_n, glu in ((1, 128, False), (2, 128, False), (2, 128, True), (8, 64, False), (64, 128, True)):
+        k = fma_block_k(block_m, block_n, 4, glu)
+        assert k & (k - 1) == 0 and 1 <= k <= BLOCK_K
+        assert block_m * k * block_n * (1 + glu) <= FMA_ACC_PER_THREAD * threads or k == 1
+        assert k == BLOCK_K or block_m * 2 * k * block_n * (1 + glu) > FMA_ACC_PER_THREAD * threads
+    assert fma_block_k(2, 128, 4, False) == 16 and fma_block_k(2, 64, 4, True) == 16
+
+
+def test_bodies_are_checked():
+    x, w = jnp.zeros((2, 64)), jnp.zeros((64, 32))
+    with pytest.raises(ValueError, match=r"body must be one of \('dot', 'fma'\); got 'wmma'"):
+        fused_linear_pallas(x, w, body="wmma", interpret=True)
+    assert fused_linear_pallas(x, w, body="fma", interpret=True).shape == (2, 32)
 
 
 def test_splits_must_divide_the_k_slabs():
@@ -210,11 +273,11 @@ def gated_case(seed, rows, k_dim, n_dim, group, *, dtype, gate_at=0, width=None)
 
 
 def check_gated(seed, rows, k_dim, n_dim, group, *, dtype, gate_at=0, width=None, interpret=None,
-                implementation="pallas", splits: int | None = None):
+                implementation="pallas", splits: int | None = None, merge: str = "kernel"):
     (x, w, g, z, r), (x64, w64, g64, z64, r64) = gated_case(seed, rows, k_dim, n_dim, group, dtype=dtype,
                                                             gate_at=gate_at, width=width)
     if splits is not None:
-        got = fused_linear_pallas(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, splits=splits,
+        got = fused_linear_pallas(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, splits=splits, merge=merge,
                                   interpret=True if interpret is None else interpret)
     else:
         got = api.fused_linear(x, w, g, r, gate=z, gate_at=gate_at, eps=EPS, implementation=implementation,
@@ -239,11 +302,13 @@ def test_gated_norm_before_the_projection(name, implementation, dtype):
                 implementation=implementation)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
 @pytest.mark.parametrize("name, splits", [("in_place", 2), ("in_place", 4), ("own_buffer", 3)])
-def test_gated_norm_with_split_k(name, splits):
+def test_gated_norm_with_split_k(name, splits, merge):
     """One norm group per slab, the slabs of each column block split among programs."""
     rows, k_dim, n_dim, group, gate_at, width = GATED[name]
-    check_gated(15, rows, k_dim, n_dim, group, dtype=jnp.float32, gate_at=gate_at, width=width, splits=splits)
+    check_gated(15, rows, k_dim, n_dim, group, dtype=jnp.float32, gate_at=gate_at, width=width, splits=splits,
+                merge=merge)
 
 
 def test_gated_norm_groups_the_kernel_cannot_tile_run_the_reference():
@@ -266,7 +331,7 @@ def test_gated_norm_must_fit_its_gate():
 
 
 def check_output_gate(seed, rows, heads, head_dim, n_dim, extra, *, dtype, implementation="pallas", interpret=None,
-                      splits: int | None = None):
+                      splits: int | None = None, merge: str = "kernel"):
     """Gated attention's o projection: x [rows, heads * D] times sigmoid of the gate columns of a q
     projection buffer whose heads are [q_h | gate_h] (gate_at D, layout (D, 2 D)), then + residual;
     `extra` more columns (k, v) follow the heads in the buffer (0: the last gate ends the buffer)."""
@@ -278,7 +343,7 @@ def check_output_gate(seed, rows, heads, head_dim, n_dim, extra, *, dtype, imple
     x64, w64, buf64, r64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w, buf, r))
     kw = dict(gate=buf, gate_at=head_dim, gate_layout=(head_dim, 2 * head_dim))
     if splits is not None:
-        got = fused_linear_pallas(x, w, None, r, blocks=(16, 16), splits=splits,
+        got = fused_linear_pallas(x, w, None, r, blocks=(16, 16), splits=splits, merge=merge,
                                   interpret=True if interpret is None else interpret, **kw)
     else:
         got = api.fused_linear(x, w, None, r, implementation=implementation, interpret=interpret, **kw)
@@ -302,9 +367,10 @@ def test_output_gate_before_the_projection(name, implementation, dtype):
     check_output_gate(12, *OUTPUT_GATED[name], dtype=dtype, implementation=implementation)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
 @pytest.mark.parametrize("name, splits", [("verify", 6), ("head_dim_24", 3)])
-def test_output_gate_with_split_k(name, splits):
-    check_output_gate(16, *OUTPUT_GATED[name], dtype=jnp.float32, splits=splits)
+def test_output_gate_with_split_k(name, splits, merge):
+    check_output_gate(16, *OUTPUT_GATED[name], dtype=jnp.float32, splits=splits, merge=merge)
 
 
 def test_output_gate_layout_is_checked():
@@ -346,6 +412,37 @@ class TestPallasGPU:
         """splits=1 (the defaults split K at these rows): the epilogue in the same kernel."""
         k_dim, n_dim, epilogue = PUBLISHED[name]
         check(6, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, splits=1, **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("weight_nk", [False, True])
+    @pytest.mark.parametrize("rows", [1, 2, 8])
+    @pytest.mark.parametrize("name", PUBLISHED)
+    def test_published_projections_fma_body(self, name, rows, weight_nk):
+        k_dim, n_dim, epilogue = PUBLISHED[name]
+        check(6, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, body="fma", weight_nk=weight_nk,
+              **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("body", ["dot", "fma"])
+    @pytest.mark.parametrize("rows", [2, 8])
+    @pytest.mark.parametrize("name", PUBLISHED)
+    def test_published_projections_fused_merge(self, name, rows, body):
+        """Split-K (the default splits) merged by the last program of each column block: on a GPU the
+        programs race, so a missed or early count shows up as a wrong block."""
+        k_dim, n_dim, epilogue = PUBLISHED[name]
+        for seed in (6, 7):
+            check(seed, rows, k_dim, n_dim, dtype=jnp.bfloat16, interpret=False, body=body, merge="fused",
+                  **EPILOGUES[epilogue])
+
+    @pytest.mark.parametrize("layout", [(2048, 2048, 8224, 6144), (6144, 5120, 16480, 10240)])
+    def test_published_gated_out_projections_fused_merge(self, layout):
+        k_dim, n_dim, width, z_at = layout
+        check_gated(11, 2, k_dim, n_dim, 128, dtype=jnp.bfloat16, gate_at=z_at, width=width, interpret=False,
+                    splits=4, merge="fused")
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("epilogue", EPILOGUES)
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_small_fma_body(self, shape, epilogue, dtype):
+        check(5, *SHAPES[shape], dtype=dtype, interpret=False, body="fma", **EPILOGUES[epilogue])
 
     @pytest.mark.parametrize("rows", [2, 8])
     @pytest.mark.parametrize("name", ["2b_gdn_in", "2b_gate_up", "2b_down"])
