@@ -145,6 +145,13 @@ def parse(argv=None):
     from pallas_kernels.gated_delta.recurrent import FORMS
 
     common.check_choices("--gdn-forms", args.gdn_forms, FORMS, "form")
+    from pallas_kernels.linear import kernel as linear
+
+    common.check_choices("--linear-bodies", args.linear_bodies, linear.BODIES, "body")
+    common.check_choices("--linear-merges", args.linear_merges, linear.MERGES, "merge")
+    weights = [w for w in args.linear_weights.split(",") if w]
+    if not weights or set(weights) - {"kn", "nk"}:
+        raise SystemExit(f"--linear-weights takes kn and / or nk; got {args.linear_weights!r}")
     known = {"demo", *kernels.ATTN_LAYOUTS, *kernels.GDN_LAYOUTS, *LINEAR_LAYOUTS}
     common.check_choices("--layouts", args.layouts, sorted(known), "layout")
     if max(common.int_list(args.ks)) > kernels.KMAX:
@@ -213,7 +220,7 @@ def _conv_configs(args) -> tuple[list[tuple], tuple]:
 
 
 def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
-    from pallas_kernels.linear.kernel import BODIES, MERGES, block_sizes, split_count
+    from pallas_kernels.linear.kernel import block_sizes, split_count
 
     k_dim, n_dim, epilogue = layout
     glu = epilogue.startswith("glu")
@@ -224,11 +231,7 @@ def _linear_configs(args, layout, rows: int) -> tuple[list[tuple], tuple]:
         block_k, block_ks = GATE_GROUP, [GATE_GROUP]
         splits = split_count(rows, k_dim, block_k, -(-n_out // block_n), 2)
     default = (block_k, block_n, 4, 4, "kn", splits, "dot", "kernel")  # fused_linear_pallas' defaults (bfloat16)
-    weights = [w for w in args.linear_weights.split(",") if w]
-    if not weights or set(weights) - {"kn", "nk"}:
-        raise SystemExit(f"--linear-weights takes kn and / or nk; got {args.linear_weights!r}")
-    common.check_choices("--linear-bodies", args.linear_bodies, BODIES, "body")
-    common.check_choices("--linear-merges", args.linear_merges, MERGES, "merge")
+    weights = [w for w in args.linear_weights.split(",") if w]  # checked by parse
     axes = (block_ks, *(common.int_list(x) for x in (args.linear_block_n, args.linear_warps, args.linear_stages)),
             weights, common.int_list(args.linear_splits), args.linear_bodies.split(","), args.linear_merges.split(","))
     # splits dividing the K slabs; one pass has no merge to vary

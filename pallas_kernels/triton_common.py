@@ -79,6 +79,18 @@ def fma(a: jax.Array, b: jax.Array, c: jax.Array, *, compiled: bool) -> jax.Arra
     return out
 
 
+def arrived_last(count_ref, index, count: int, barrier: bool):
+    """Whether this program is the last of `count` to reach counter count_ref[index] (int32, zeros at
+    the launch): the barrier orders the whole program's stores before the add, which is
+    acquire-release at GPU scope, so the last one sees every other program's stores. The interpreter
+    runs programs one after the other and has no barrier (barrier=False)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    if barrier:
+        pltriton.debug_barrier()
+    return pltriton.atomic_add(count_ref, index, jnp.ones((), jnp.int32)) == count - 1
+
+
 def use_pallas(implementation: str, interpret: bool | None, valid: tuple[str, ...],
                note: str = "") -> tuple[bool, bool]:
     """(run the Pallas kernel?, interpret?) for an entry point's `implementation` among `valid`

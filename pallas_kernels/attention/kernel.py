@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.attention.reference import MASK_VALUE
 from pallas_kernels.triton_common import (
     MIN_DOT,
+    arrived_last,
     device_sm_count,
     dot,
     ignore_triton_deprecation,
@@ -205,11 +206,7 @@ def _fused_merge(o_ref, count_ref, acc_ref, m_ref, l_ref, partial, live, n_block
         pltriton.store(m_ref.at[mine], m, mask=row_ok)
         pltriton.store(l_ref.at[mine], denom, mask=row_ok)
 
-    if barrier:  # the interpreter runs programs one after the other (and has no barrier)
-        pltriton.debug_barrier()
-    arrived = pltriton.atomic_add(count_ref, pair, jnp.ones((), jnp.int32))
-
-    @pl.when(arrived == n_splits - 1)
+    @pl.when(arrived_last(count_ref, pair, n_splits, barrier))
     def _merge():
         # combine_splits over the live splits: the maxima first, then the accumulators in chunks
         # whose loads do not wait on each other (an online merge over chunks measured slower).

@@ -49,12 +49,19 @@ def _recur(h, tokens, o_ref, pool_out_ref, slots, compiled: bool):
     issued ahead of the chain of state updates instead of each paying its latency inside the chain.
     slots[t] is token t's snapshot slot, loaded by the caller with the inputs. Compiled, the rank-one
     update is one fused multiply-add per element (`fma`)."""
-    for t, (q, k, v, g, beta) in enumerate(tokens):
-        h = h * jnp.exp(g)
-        pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
-        h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
-        o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
-        _store(pool_out_ref, slots[t], h)
+    for t, token in enumerate(tokens):
+        h = _step(h, token, t, o_ref, pool_out_ref, slots[t], compiled)
+
+
+def _step(h, token, t, o_ref, pool_out_ref, slot, compiled: bool):
+    """One token's step from h [dk, BV]: decay, delta-rule update, readout o_t, snapshot to slot."""
+    q, k, v, g, beta = token
+    h = h * jnp.exp(g)
+    pred = jnp.sum(h * k[:, None], axis=0)  # [BV] = h^T k
+    h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
+    o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)  # h^T q, after the update
+    _store(pool_out_ref, slot, h)
+    return h
 
 
 def _recur_loop(h, span, o_ref, pool_out_ref, write_ref, compiled: bool):
@@ -66,14 +73,9 @@ def _recur_loop(h, span, o_ref, pool_out_ref, write_ref, compiled: bool):
     rows = jnp.arange(span[0].shape[0])
 
     def step(t, h):
-        q, k, v = (jnp.sum(jnp.where(rows[:, None] == t, x, 0.0), axis=0) for x in span[:3])
-        g, beta = (jnp.sum(jnp.where(rows == t, x, 0.0)) for x in span[3:])
-        h = h * jnp.exp(g)
-        pred = jnp.sum(h * k[:, None], axis=0)
-        h = fma(k[:, None], (beta * (v - pred))[None, :], h, compiled=compiled)
-        o_ref[t] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
-        _store(pool_out_ref, write_ref[t], h)
-        return h
+        token = [jnp.sum(jnp.where(rows[:, None] == t, x, 0.0), axis=0) for x in span[:3]]
+        token += [jnp.sum(jnp.where(rows == t, x, 0.0)) for x in span[3:]]
+        return _step(h, token, t, o_ref, pool_out_ref, write_ref[t], compiled)
 
     jax.lax.fori_loop(0, rows.shape[0], step, h)
 
@@ -258,11 +260,10 @@ def _verify_mixed_kernel(
 
 # V-block width: 32 columns; 64 once the grid has this many programs at 64 columns (or LOOP_MIN_PROGRAMS
 # for a span that takes the loop form, below); 16 for a verify span (T > 1) whose grid at 32 columns is
-# small. Busy time per call on one H200 (docs/benchmarks.md,
-# "GDN verify blocks" and "GDN verify blocks at batch 1"): 64 columns cut 7-10% at batch 32 and at
-# Qwen3.5-27B batch 8, and cost 20-70% where the grid is small (Qwen3.5-2B batch 8, batch 1); at
-# batch 1, T = 8, 16 columns cut 6-16% on the 2B, 27B and Next layouts (both kernels); at T = 1 they
-# match 32 or lose 4%.
+# small. Busy time per call on one H200 (docs/benchmarks.md, "GDN verify blocks" and "GDN verify blocks
+# at batch 1"): 64 columns cut 7-10% at batch 32 and at Qwen3.5-27B batch 8, and cost 20-70% where the
+# grid is small (Qwen3.5-2B batch 8, batch 1); at batch 1, T = 8, 16 columns cut 6-16% on the 2B, 27B
+# and Next layouts (both kernels); at T = 1 they match 32 or lose 4%.
 WIDE_BLOCK_V, WIDE_MIN_PROGRAMS = 64, 512
 NARROW_BLOCK_V, NARROW_MAX_PROGRAMS = 16, 256  # programs counted at 32 columns
 

@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.linear.reference import output_columns
 from pallas_kernels.triton_common import (
     MIN_DOT,
+    arrived_last,
     device_sm_count,
     dot,
     ignore_triton_deprecation,
@@ -252,14 +253,8 @@ def _fused_kernel(
     if merge == "kernel":
         return
     o_ref, count_ref = refs
-    # As the attention kernel's fused merge (pallas_kernels/attention/kernel.py, `_fused_merge`): the
-    # barrier orders the whole program's stores before the add, which is acquire-release at GPU
-    # scope, so the program that reads splits - 1 sees every other split's partial sums.
-    if barrier:  # the interpreter runs programs one after the other (and has no barrier)
-        pltriton.debug_barrier()
-    arrived = pltriton.atomic_add(count_ref, j, jnp.ones((), jnp.int32))
 
-    @pl.when(arrived == splits - 1)
+    @pl.when(arrived_last(count_ref, j, splits, barrier))  # as the attention kernel's fused merge
     def _merge():
         _merge_splits(j, part_ref, sq_ref, r_ref, o_ref, splits=splits, scaled=scaled, glu=glu,
                       has_residual=has_residual, eps=eps, rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m,
@@ -360,14 +355,15 @@ def fused_linear_pallas(
     fused = split and merge == "fused"
     scaled = norm is not None and gate is None
     columns = pl.cdiv(n_out, block_n)
+    own_residual = residual if fused or not split else None  # else the second kernel adds it
     gate_group, gate_pitch = gate_layout or (k_dim, k_dim)
     kernel = functools.partial(_fused_kernel, has_norm=norm is not None, has_gate=gate is not None, gate_at=gate_at,
                                gate_group=gate_group, gate_pitch=gate_pitch, zero_centered=zero_centered, glu=glu,
-                               has_residual=residual is not None and (fused or not split), weight_nk=weight_nk,
+                               has_residual=own_residual is not None, weight_nk=weight_nk,
                                eps=eps, rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_k=block_k,
                                block_n=block_n, slabs_per_split=slabs // splits, splits=splits, body=body,
                                merge=merge, barrier=not interpret)
-    operands = [a for a in (x, w, norm, gate, residual if fused or not split else None) if a is not None]
+    operands = [a for a in (x, w, norm, gate, own_residual) if a is not None]
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = jax.ShapeDtypeStruct((rows, n_out), x.dtype)
     out_shape, aliases = [out], {}
