@@ -3,7 +3,8 @@
 pipeline stages x where the splits merge), the GDN verify recurrence (V-block width x warps;
 "gdn_verify" the plain kernel, "gdn_verify_mixed" the one the model runs, with the layer's glue
 inside), the GDN chunked prefill (chunk x V-block x warps x stages x float32 dot mode), the
-prefill's causal conv (token tile x channel block x warps) and the fused projection of a decode /
+causal conv of a prefill ("conv_prefill") or of a decode / verify step's window update
+("conv_verify"; token tile x channel block x warps) and the fused projection of a decode /
 verify step (K slab x column block x warps x stages x weight layout x split-K programs, beside
 XLA's norm + gemm + epilogue), each config timed as pipelined wall per call and profiled for the
 GPU busy time of its own kernels, beside its bytes floor.
@@ -16,7 +17,7 @@ always timed and marked. Inputs and floors are benchmarks/kernels.py's (KV pages
 rotated past the L2; linear: a weight copy per call). Busy time counts only the swept kernels
 (attention: every kernel of the call, so the split kernel with its merge launch, or with the
 zeroed counters of the fused merge; GDN verify: the recurrence; prefill: its three kernels; conv:
-the prefill conv; linear: the kernel, or for the "xla" config every kernel of the call), not the
+the conv kernel; linear: the kernel, or for the "xla" config every kernel of the call), not the
 harness's own ops; the wall time holds them too and one launch gap per call. The prefill is compute
 bound: its bytes floor is not its limit. Each GDN prefill and verify config also runs once on the
 first rep's inputs against the reference (the table's error column), so a kernel variant swept on a
@@ -51,13 +52,14 @@ import numpy as np  # noqa: E402
 from benchmarks import common, kernels  # noqa: E402
 from benchmarks.common import fmt, log  # noqa: E402
 
-KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill", "conv_prefill", "linear")
+KERNELS = ("attention", "gdn_verify", "gdn_verify_mixed", "gdn_prefill", "conv_prefill", "conv_verify", "linear")
 # The names each kernel's pallas_calls give their GPU kernels (busy time counts only these).
 KERNEL_NAMES = {"attention": ("paged_span_attention_split", "paged_span_attention_merge", "paged_span_attention"),
                 "gdn_verify": ("gdn_verify",),
                 "gdn_verify_mixed": ("gdn_verify_mixed",),
                 "gdn_prefill": ("gdn_intra_chunk", "gdn_chunk_state_pass", "gdn_chunk_output"),
-                "conv_prefill": ("conv_update_prefill",), "linear": ("fused_linear",)}
+                "conv_prefill": ("conv_update_prefill",), "conv_verify": ("conv_update_verify",),
+                "linear": ("fused_linear",)}
 # Fused projections per model (K, N, epilogue): "norm_zc" (the hybrids' RMSNorm before), "glu" (the
 # hybrids' norm + packed gate / up + SwiGLU), "glu_plain" (Qwen3's), "residual" (added after), "gated"
 # (the GDN's gated norm over 128-channel groups before, residual after).
@@ -79,7 +81,8 @@ SMOKE = dict(layouts="demo", batches="1", ks="0", contexts="64", pages_per_block
              stages="2", merges="fused,kernel", block_v="16,32", gdn_warps="4", gdn_forms="sequential,chunk",
              prefill_lens="32", chunks="16",
              prefill_stages="1",
-             f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", linear_block_k="64",
+             f32_dots="ieee", conv_block_t="4,8", conv_block_c="64", conv_warps="4", conv_tails="copy,skip",
+             linear_block_k="64",
              linear_block_n="16,32", linear_warps="4", linear_stages="3", linear_weights="kn,nk", linear_splits="1,2",
              linear_bodies="dot,fma", linear_merges="kernel",
              reps=2, repeats=3, traced=1, compile_threads=2, bandwidth_gib=1 / 32)
@@ -113,9 +116,13 @@ def parse(argv=None):
     p.add_argument("--chunks", default="16,64", help="gdn_prefill: tokens per chunk")
     p.add_argument("--prefill-stages", default="1,2", help="gdn_prefill: Triton pipeline stages")
     p.add_argument("--f32-dots", default="tf32x3,ieee", help="gdn_prefill: how float32 dots run")
-    p.add_argument("--conv-block-t", default="8,16,32", help="conv_prefill: tokens per program")
-    p.add_argument("--conv-block-c", default="128,256", help="conv_prefill: channels per program (at most)")
-    p.add_argument("--conv-warps", default="4", help="conv_prefill: warps per program")
+    p.add_argument("--conv-block-t", default="8,16,32", help="conv_prefill, conv_verify: tokens per program")
+    p.add_argument("--conv-block-c", default="128,256",
+                   help="conv_prefill, conv_verify: channels per program (at most)")
+    p.add_argument("--conv-warps", default="4", help="conv_prefill, conv_verify: warps per program")
+    p.add_argument("--conv-tails", default="copy",
+                   help="conv_prefill, conv_verify: the new window line's rows past the window, copy (from the read "
+                        "line) and / or skip (left as they were: no later step reads them)")
     p.add_argument("--linear-block-k", default="128,256,512", help="linear: K rows per pipeline stage")
     p.add_argument("--linear-block-n", default="16,32,64", help="linear: output columns per program")
     p.add_argument("--linear-warps", default="4", help="linear: warps per program")
@@ -149,6 +156,7 @@ def parse(argv=None):
 
     common.check_choices("--linear-bodies", args.linear_bodies, linear.BODIES, "body")
     common.check_choices("--linear-merges", args.linear_merges, linear.MERGES, "merge")
+    common.check_choices("--conv-tails", args.conv_tails, ("copy", "skip"), "tail")
     weights = [w for w in args.linear_weights.split(",") if w]
     if not weights or set(weights) - {"kn", "nk"}:
         raise SystemExit(f"--linear-weights takes kn and / or nk; got {args.linear_weights!r}")
@@ -166,7 +174,7 @@ def _layouts(kernel: str, args) -> dict:
         return {f"{name}:{proj}": shape for name in names for proj, shape in table.get(name, {}).items()}
     gdn = {**kernels.GDN_LAYOUTS, **kernels.SMOKE_GDN}
     table = {"attention": {**kernels.ATTN_LAYOUTS, **kernels.SMOKE_ATTN}, "gdn_verify": gdn,
-             "gdn_verify_mixed": gdn, "gdn_prefill": gdn, "conv_prefill": gdn}[kernel]
+             "gdn_verify_mixed": gdn, "gdn_prefill": gdn, "conv_prefill": gdn, "conv_verify": gdn}[kernel]
     return {name: table[name] for name in args.layouts.split(",") if name in table}
 
 
@@ -213,9 +221,9 @@ def _prefill_configs(args, layout, B: int) -> tuple[list[tuple], tuple]:
 
 
 def _conv_configs(args) -> tuple[list[tuple], tuple]:
-    default = (8, 256, 4)  # conv_update_pallas' defaults
+    default = (8, 256, 4, "copy")  # conv_update_pallas' defaults
     axes = (args.conv_block_t, args.conv_block_c, args.conv_warps)
-    grid = itertools.product(*(common.int_list(x) for x in axes))
+    grid = itertools.product(*(common.int_list(x) for x in axes), args.conv_tails.split(","))
     return sorted(set(grid) | {default}), default
 
 
@@ -342,19 +350,19 @@ def _prefill_fn(config, reps: int, interpret: bool):
     return jax.jit(run, donate_argnums=0)
 
 
-def _conv_fn(config, reps: int, interpret: bool):
+def _conv_fn(config, reps: int, interpret: bool, mode: str):
     import jax
 
     from pallas_kernels.gated_delta.conv import conv_update_pallas
 
-    block_t, block_c, warps = config
+    block_t, block_c, warps, tail = config
 
     def run(lines, per, fixed):
         outs = []
         for x in per[:reps]:
             y, lines = conv_update_pallas(x["x"], lines, fixed["w"], x["rows"], x["offset"], x["rows"], fixed["has"],
-                                          fixed["nv"], mode="prefill", interpret=interpret, block_c=block_c,
-                                          block_t=block_t, num_warps=warps)
+                                          fixed["nv"], mode=mode, interpret=interpret, block_c=block_c,
+                                          block_t=block_t, num_warps=warps, tail=tail == "copy")
             outs.append(y)
         return lines, outs
 
@@ -482,12 +490,15 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
         per, fixed, nbytes = _linear_inputs(rng, layout, B * T, args.reps)
         configs, default = _linear_configs(args, layout, B * T)
         make = {c: _linear_fn(c, layout, args.reps, interpret) for c in configs}
-    elif kernel == "conv_prefill":
-        state, per, fixed, _, _ = kernels._conv_inputs(rng, layout, B, T, 0, args.reps)
+    elif kernel in ("conv_prefill", "conv_verify"):
+        mode = kernel.removeprefix("conv_")
+        # verify: windows read at offsets up to k = T - 1 (a round's accepted count); the window read, the
+        # tokens in and out and the new window (K - 2 + T rows) written; prefill: a window read and written
+        state, per, fixed, verify_bytes, _ = kernels._conv_inputs(rng, layout, B, T, T - 1, args.reps)
         C = per[0]["x"].shape[-1]
-        nbytes = {"floor": B * (2 * T + 2 * (kernels.CONV_K - 1)) * C * 2}  # x, y, the window read and written
+        nbytes = verify_bytes if mode == "verify" else {"floor": B * (2 * T + 2 * (kernels.CONV_K - 1)) * C * 2}
         configs, default = _conv_configs(args)
-        make = {c: _conv_fn(c, args.reps, interpret) for c in configs}
+        make = {c: _conv_fn(c, args.reps, interpret, mode) for c in configs}
     else:
         mixed = kernel == "gdn_verify_mixed"
         state, per, fixed, nbytes, _ = kernels._gdn_inputs(rng, layout, B, T, args.reps, args.gdn_valid)
@@ -535,7 +546,8 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
 
 def print_tables(res) -> None:
     fields = {"attention": "pages/step, splits, warps, stages, merge", "gdn_verify(_mixed)": "block_v, warps, form",
-              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps",
+              "gdn_prefill": "chunk, block_v, warps, stages, f32 dots", "conv_prefill": "block_t, block_c, warps, tail",
+              "conv_verify": "block_t, block_c, warps, tail",
               "linear": "block_k, block_n, warps, stages, weights kn / nk, splits, body, merge (or xla)"}
     rows = sorted(res.data["results"], key=lambda r: (r["kernel"], r["layout"], r["B"], r["T"], r["context"] or 0,
                                                       r["busy_us"] or r["wall_us"] or 0))

@@ -172,9 +172,11 @@ def test_kernel_sweep_smoke(smoke):
     errors = {(r["kernel"], tuple(r["config"])): r["error"] for r in rows if r["kernel"].startswith("gdn_verify")}
     assert len(errors) == 8 and all(0 <= e < 1e-5 for e in errors.values()), errors
     assert all(r["error"] is None for r in rows if not r["kernel"].startswith("gdn_"))
-    # token tiles 4 / 8 x 64 channels, 4 warps; plus the default (8 tokens, 256 channels)
-    conv = {tuple(r["config"]) for r in rows if r["kernel"] == "conv_prefill"}
-    assert conv == {(4, 64, 4), (8, 64, 4), (8, 256, 4)}, conv
+    # token tiles 4 / 8 x 64 channels, 4 warps, the line's tail copied or skipped; plus the default (8 tokens,
+    # 256 channels, copied), for the prefill conv and the decode / verify step's
+    for kernel in ("conv_prefill", "conv_verify"):
+        conv = {tuple(r["config"]) for r in rows if r["kernel"] == kernel}
+        assert conv == {(t, 64, 4, tail) for t in (4, 8) for tail in ("copy", "skip")} | {(8, 256, 4, "copy")}, conv
     # K slabs of 64 (the gated norm: its 128-channel group) x column blocks 16 / 32, 4 warps, 3 stages, weights
     # [K, N] and [N, K], splits 1 / 2 where they divide the K slabs (out's 256 = two slabs; gate_up's and
     # down's K fit one), the dot and fma bodies, merge "kernel"; the default (64 columns, 4 stages, [K, N],
@@ -188,7 +190,7 @@ def test_kernel_sweep_smoke(smoke):
     want = grid(64, (1,), (64, 64, 4, 4, "kn", 1, "dot", "kernel"))
     assert linear == ({(f"demo:{proj}", c) for proj in ("gate_up", "down") for c in want}
                       | {("demo:out", c) for c in grid(128, (1, 2), (128, 64, 4, 4, "kn", 2, "dot", "kernel"))}), linear
-    assert sum(r["default"] for r in rows) == 8  # one default per (kernel, shape)
+    assert sum(r["default"] for r in rows) == 9  # one default per (kernel, shape)
     for r in rows:
         assert r["wall_us"] > 0 and r["floor_us"] > 0 and r["busy_us"] is None  # no GPU kernels on CPU
     assert "busy/floor" in smoke["stdout"]["kernel_sweep"]

@@ -7,11 +7,16 @@ into the line; zeros when not has_state), the outputs are y_t = silu(sum_i w[i] 
 float32. Tokens t >= K-1 read only x: each program does one [block_t, BC] tile of them (shifted
 masked loads, one per tap), so a long prompt spreads over the grid instead of looping in a few
 programs. The first K-1 tokens read the window; the tile-0 program does them row by row and then
-rewrites the line lines[write_row] (no other program reads the window):
+writes the new window to the line lines[write_row] (no other program reads the window):
 
-    verify:  [xs[1 : K-1+T], rest of the read line]         (= old[off+1 : off+K-1] ++ x)
-    prefill: [xs[nv : nv+K-1], rest of the read line]       (the last K-1 valid inputs)
+    verify:  xs[1 : K-1+T]      (= old[off+1 : off+K-1] ++ x; K-2+T rows)
+    prefill: xs[nv : nv+K-1]    (the last K-1 valid inputs)
 
+and with `tail` (the default) the rest of the read line after it, as the reference does. Without it
+the rows past the new window keep what the written line held: no step reads them (the next step's
+window starts at offset num_accepted - 1 <= T - 1, so it ends inside the rows just written), and
+where the line is rewritten in place (the target engine: write_row = read_row) they already hold the
+read line's rows, so only the copy's loads and stores go (not yet timed on a GPU: docs/benchmarks.md).
 Every row of the read line that is needed is loaded before the first store (write_row may equal
 read_row), and the lines are updated in place through `input_output_aliases`.
 """
@@ -44,6 +49,7 @@ def _conv_kernel(
     mode: str,
     block_t: int,
     barrier: bool,
+    tail: bool,
 ):
     kw = w_ref.shape[0]
     weights = [w_ref[i].astype(F32) for i in range(kw)]  # [BC] each
@@ -52,11 +58,11 @@ def _conv_kernel(
     @pl.when(pl.program_id(2) == 0)
     def _():
         _window_tokens_and_line(x_ref, lines_ref, read_ref, offset_ref, write_ref, has_ref, valid_ref, y_ref,
-                                lines_out_ref, weights, mode=mode, barrier=barrier)
+                                lines_out_ref, weights, mode=mode, barrier=barrier, tail=tail)
 
 
 def _window_tokens_and_line(x_ref, lines_ref, read_ref, offset_ref, write_ref, has_ref, valid_ref, y_ref,
-                            lines_out_ref, weights, *, mode: str, barrier: bool):
+                            lines_out_ref, weights, *, mode: str, barrier: bool, tail: bool):
     """y for the tokens whose taps reach into the window, then the new window written to its line."""
     n_tok, kw, n_line = x_ref.shape[0], len(weights), lines_ref.shape[1]
     read = read_ref[0]
@@ -84,7 +90,8 @@ def _window_tokens_and_line(x_ref, lines_ref, read_ref, offset_ref, write_ref, h
         start = jnp.clip(valid_ref[0], 0, n_tok)
         head = [xs_row_dynamic(start + j) for j in range(kw - 1)]
     new = [row.astype(lines_out_ref.dtype) for row in head]
-    new += [lines_ref[read, j] for j in range(len(head), n_line)]  # the rest of the read line
+    if tail:
+        new += [lines_ref[read, j] for j in range(len(head), n_line)]  # the rest of the read line
     if barrier:  # all rows of the old line are loaded before any is overwritten
         pltriton.debug_barrier()
     write = write_ref[0]
@@ -147,14 +154,16 @@ def conv_update_pallas(
     block_c: int = 256,
     block_t: int = 8,
     num_warps: int = 4,
+    tail: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas conv step; same contract as `reference.conv_update`.
 
     Returns y [B, T, C] in x.dtype and the lines with lines[write_row] rewritten. `block_c` caps the
     channel block (the largest power of two dividing C is used); `block_t` (power of two) caps the
     token tile, one program each (8-token tiles ran a 512-token Qwen3.5-2B prompt in 16.9 us on an H200,
-    where 64-token tiles looped in one program per channel block took 108.7; docs/benchmarks.md). With duplicate
-    write rows (padding rows all write the null line 0) line 0 holds any one of them.
+    where 64-token tiles looped in one program per channel block took 108.7; docs/benchmarks.md). `tail`: also
+    copy the read line's rows past the new window (module docstring; False skips the copy). With
+    duplicate write rows (padding rows all write the null line 0) line 0 holds any one of them.
     """
     _check(x, lines, weight, mode)
     b, n_tok, _ = x.shape
@@ -167,7 +176,7 @@ def conv_update_pallas(
     lines_spec = pl.BlockSpec((n_lines, n_line, bc), lambda i, j, t: (0, 0, j))
     scalar_spec = pl.BlockSpec((1,), lambda i, j, t: (i,))
     call = pl.pallas_call(
-        functools.partial(_conv_kernel, mode=mode, block_t=bt, barrier=not interpret),
+        functools.partial(_conv_kernel, mode=mode, block_t=bt, barrier=not interpret, tail=tail),
         grid=(b, channels // bc, n_tiles),
         in_specs=[
             rows_spec,  # x

@@ -38,7 +38,7 @@ prefill_ref = jax.jit(R.gdn_prefill, static_argnames="chunk_size")
 conv_ref = jax.jit(R.conv_update, static_argnames="mode")
 verify_pallas = jax.jit(gdn_verify_pallas, static_argnames=("interpret", "block_v", "form"))
 prefill_pallas = jax.jit(gdn_prefill_pallas, static_argnames=("chunk_size", "interpret", "block_v", "f32_dots"))
-conv_pallas = jax.jit(conv_update_pallas, static_argnames=("mode", "interpret", "block_c", "block_t"))
+conv_pallas = jax.jit(conv_update_pallas, static_argnames=("mode", "interpret", "block_c", "block_t", "tail"))
 
 
 def rel_rms(a, b) -> float:
@@ -293,10 +293,13 @@ def test_prefill_refuses_an_unknown_dot_mode():
 # ----------------------------------------------------------------------------------------------
 
 
-def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=None, extra=0):
+def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256, block_t=None, extra=0,
+               tail=True):
     """Rows: in-place row with a window offset, a fresh row writing another line (per-slot draft
     windows), a padding row (negative offset), a row whose offset is clamped into the line. `extra`
-    channels past the lines' in x (a wider projection) must not be read: they hold NaN."""
+    channels past the lines' in x (a wider projection) must not be read: they hold NaN. With `tail` (the
+    default) every line equals the reference's; without, each written line's rows past its new window
+    keep what the line held (no step reads them), the rest equal the reference's."""
     rng = np.random.default_rng(seed)
     K = 4
     line_len = K - 1 + k_max
@@ -314,11 +317,19 @@ def check_conv(seed, *, mode, T, k_max, channels, dtype, interpret, block_c=256,
         i32(T, max(T - 1, 0), 0, 1),  # num_valid
     )
     tiles = {} if block_t is None else {"block_t": block_t}  # None: the kernel's default
-    y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, **tiles)
+    y, new_lines = conv_pallas(*args, mode=mode, interpret=interpret, block_c=block_c, tail=tail, **tiles)
     y_ref, lines_ref = conv_ref(*args, mode=mode)
     assert y.dtype == y_ref.dtype == dtype and y.shape == y_ref.shape == (4, T, channels)
     assert_close(y, y_ref, dtype)
-    np.testing.assert_array_equal(new_lines[1:], lines_ref[1:])
+    if tail:
+        np.testing.assert_array_equal(new_lines[1:], lines_ref[1:])
+        return
+    head = K - 2 + T if mode == "verify" else K - 1
+    np.testing.assert_array_equal(new_lines[1:, :head], lines_ref[1:, :head])
+    written = [1, 3, 4]  # write_row of the live rows (row 0 writes the null line 0)
+    expect_tail = np.asarray(lines_ref[:, head:]).copy()
+    expect_tail[written] = np.asarray(lines[written, head:])
+    np.testing.assert_array_equal(new_lines[1:, head:], expect_tail[1:])
 
 
 # (mode, T, k_max): decode, verify k = 3 and k = 15, a short and a multi-tile prefill.
@@ -328,6 +339,12 @@ CONV_CASES = [("verify", 1, 3), ("verify", 4, 3), ("verify", 16, 15), ("prefill"
 @pytest.mark.parametrize(("mode", "T", "k_max"), CONV_CASES)
 def test_conv_interpret_float32(mode, T, k_max):
     check_conv(T, mode=mode, T=T, k_max=k_max, channels=16, dtype=jnp.float32, interpret=True, block_c=8, block_t=16)
+
+
+@pytest.mark.parametrize(("mode", "T", "k_max"), [("verify", 1, 3), ("verify", 4, 15), ("prefill", 5, 3)])
+def test_conv_without_the_line_tail(mode, T, k_max):
+    check_conv(T + 1, mode=mode, T=T, k_max=k_max, channels=16, dtype=jnp.float32, interpret=True, block_c=8,
+               tail=False)
 
 
 @pytest.mark.parametrize("mode", ["verify", "prefill"])
@@ -448,3 +465,8 @@ class TestPallasGPU:
     @pytest.mark.parametrize("hv", [16, 48])
     def test_conv(self, dtype, mode, T, k_max, hv):
         check_conv(T, mode=mode, T=T, k_max=k_max, channels=2 * 16 * 128 + hv * 128, dtype=dtype, interpret=False)
+
+    @pytest.mark.parametrize(("mode", "T", "k_max"), [("verify", 2, 15), ("verify", 8, 15), ("prefill", 37, 3)])
+    def test_conv_without_the_line_tail(self, mode, T, k_max):
+        check_conv(T, mode=mode, T=T, k_max=k_max, channels=2 * 16 * 128 + 16 * 128, dtype=jnp.bfloat16,
+                   interpret=False, tail=False)
