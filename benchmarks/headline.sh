@@ -34,8 +34,11 @@ step() {
 }
 
 if has profile; then
+  # Seconds per shape: on a cold compilation cache Qwen3-4B's first row alone took 140 s on an H100
+  # (2026-12-08), Qwen3.5-2B's four rows about 60 s.
+  declare -A PROFILE_S=([qwen3-4b]=200 [qwen3.5-2b]=110)
   for shape in qwen3-4b qwen3.5-2b; do
-    step "profile_step_$shape" 130 "$PY" benchmarks/profile_step.py --shapes "$shape" --ks 7 --repeats 5 \
+    step "profile_step_$shape" "${PROFILE_S[$shape]}" "$PY" benchmarks/profile_step.py --shapes "$shape" --ks 7 --repeats 5 \
       --traced 5 --top 6 --rows 'engine round, greedy|x4 rounds|verify round' --out "$OUT/profile_step_$shape.json"
   done
 fi
