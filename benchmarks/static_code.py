@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Static code of the GDN verify kernels, on any host (no GPU): what a kernel variant compiles to,
-for comparing variants when no GPU is at hand. Not a timing.
+"""Static code of the GDN verify kernels and the decode / verify conv update, on any host (no GPU):
+what a kernel variant compiles to, for comparing variants when no GPU is at hand. Not a timing.
 
 Each config's Pallas kernel is lowered for CUDA (`lowering_platforms=("cuda",)`) and its Triton IR
 is taken from the lowering; the script counts that IR's operations (always) and, where the `triton`
@@ -14,6 +14,12 @@ each other.
 
     python benchmarks/static_code.py --kernels gdn_verify_mixed --layouts qwen3.5-27b,qwen3.5-2b \\
         --batches 8 --ks 7 --forms sequential,loop
+    python benchmarks/static_code.py --kernels conv_verify --layouts qwen3.5-2b --batches 1 --ks 1 \\
+        --tails copy,skip
+
+The conv update ("conv_verify", `pallas_kernels/gated_delta/conv.py` in mode "verify", its default
+channel block) takes `--tails` as its configs (copy: the new window line's rows past the window
+copied from the read line, the default; skip: `tail=False`) where the GDN kernels take forms.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from benchmarks.kernels import GDN_LAYOUTS, SMOKE_GDN  # noqa: E402
 
-KERNELS = ("gdn_verify", "gdn_verify_mixed")
+KERNELS = ("gdn_verify", "gdn_verify_mixed", "conv_verify")
+TAILS = ("copy", "skip")
+CONV_K, KMAX = 4, 15  # the conv's taps and the draft length the lines hold (the engine's default k_max)
 SMOKE = dict(layouts="demo", batches="2", ks="1,3", forms="sequential,chunk")
 POOL_SLOTS = 33
 SASS_LINE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -46,6 +54,7 @@ def parse(argv=None):
     p.add_argument("--batches", default="8")
     p.add_argument("--ks", default="7", help="draft lengths; T = 1+k")
     p.add_argument("--forms", default="sequential", help="the recurrence's forms (recurrent.FORMS)")
+    p.add_argument("--tails", default="copy", help="conv_verify: the line's rows past the window, copy and / or skip")
     p.add_argument("--block-v", default="default", help="V columns per program, or 'default' (the kernel's rule)")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--arch", type=int, default=90, help="compute capability of the compile (90: Hopper)")
@@ -54,6 +63,7 @@ def parse(argv=None):
 
     common.check_choices("--kernels", args.kernels, KERNELS, "kernel")
     common.check_choices("--forms", args.forms, FORMS, "form")
+    common.check_choices("--tails", args.tails, TAILS, "tail")
     common.check_choices("--layouts", args.layouts, sorted({**GDN_LAYOUTS, **SMOKE_GDN}), "layout")
     if args.block_v != "default" and not re.fullmatch(r"\d+(,\d+)*", args.block_v):
         raise SystemExit(f"--block-v {args.block_v!r}: 'default' or a comma list of column counts (16,32,64)")
@@ -141,6 +151,29 @@ def kernel_call(kernel: str, layout, B: int, T: int, form: str, block_v: int | N
     return functools.partial(fn, form=form, block_v=block_v), shapes
 
 
+def conv_call(layout, B: int, T: int, tail: str):
+    """(fn, argument shapes) of one decode / verify conv update at these heads (lines of K-1+KMAX rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta.conv import conv_update_pallas
+
+    hk, hv, dk, dv = layout
+    C, bf16, i32 = 2 * hk * dk + hv * dv, jnp.bfloat16, jnp.int32
+    inputs = [((B, T, C), bf16), ((1 + B, CONV_K - 1 + KMAX, C), bf16), ((CONV_K, C), bf16), *[((B,), i32)] * 3,
+              ((B,), jnp.bool_), ((B,), i32)]
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in inputs]
+    return functools.partial(conv_update_pallas, mode="verify", tail=tail == "copy"), shapes
+
+
+def _configs(kernel: str, args, default: int) -> list[tuple]:
+    """(block_v, form) per config: the GDN kernels' V blocks x forms, the conv's (None, "tail copy" / "tail skip")."""
+    if kernel == "conv_verify":
+        return [(None, f"tail {tail}") for tail in args.tails.split(",")]
+    blocks = [default] if args.block_v == "default" else common.int_list(args.block_v)
+    return list(itertools.product(blocks, args.forms.split(",")))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     from pallas_kernels.gated_delta.recurrent import default_block_v
@@ -161,13 +194,15 @@ def main(argv=None) -> int:
     for kernel, name, B, k in shapes:
         layout, T = layouts[name], 1 + k
         default = default_block_v(B, layout[1], layout[3], T)
-        blocks = [default] if args.block_v == "default" else common.int_list(args.block_v)
-        for block_v, form in itertools.product(blocks, args.forms.split(",")):
+        for block_v, form in _configs(kernel, args, default):
             what = f"{kernel} {name} B={B} T={T} block_v={block_v} {form}"
             try:
-                ir = triton_ir(*kernel_call(kernel, layout, B, T, form, block_v))
+                call = (conv_call(layout, B, T, form.removeprefix("tail ")) if kernel == "conv_verify"
+                        else kernel_call(kernel, layout, B, T, form, block_v))
+                ir = triton_ir(*call)
                 item = {"kernel": kernel, "layout": name, "B": B, "T": T, "block_v": block_v, "form": form,
-                        "warps": args.warps, "default_block_v": block_v == default, "ir_ops": ir_counts(ir)}
+                        "warps": args.warps, "default_block_v": block_v is not None and block_v == default,
+                        "ir_ops": ir_counts(ir)}
                 if no_sass is None:
                     item.update(sass_counts(ir, arch=args.arch, warps=args.warps))
                 res.add(item)
@@ -179,16 +214,17 @@ def main(argv=None) -> int:
     print("\nstatic code (IR ops: Triton IR operations; registers, stack and shared bytes, SASS instructions and "
           f"float opcodes from an offline compile for sm_{args.arch} with {args.warps} warps, empty without triton)")
     print(common.format_table(table, ["kernel", "layout", "B", "T", "block_v", "form", "IR ops", "registers",
-                                      "stack", "shared", "SASS", "FMUL / FADD / FFMA"]))
+                                      "stack", "shared", "SASS", "FMUL / FADD / FFMA", "LDG / STG"]))
     return 0 if not res.data["errors"] else 1
 
 
 def _row(item: dict) -> list:
     ops = item.get("opcodes")
-    floats = "" if ops is None else " / ".join(str(ops.get(op, 0)) for op in ("FMUL", "FADD", "FFMA"))
-    return [item["kernel"], item["layout"], item["B"], item["T"], item["block_v"], item["form"],
+    count = lambda names: "" if ops is None else " / ".join(str(ops.get(op, 0)) for op in names)  # noqa: E731
+    return [item["kernel"], item["layout"], item["B"], item["T"], item["block_v"] or "", item["form"],
             sum(item["ir_ops"].values()), item.get("registers", ""), item.get("stack_bytes", ""),
-            item.get("shared_bytes", ""), item.get("sass_instructions", ""), floats]
+            item.get("shared_bytes", ""), item.get("sass_instructions", ""), count(("FMUL", "FADD", "FFMA")),
+            count(("LDG", "STG"))]
 
 
 if __name__ == "__main__":

@@ -242,6 +242,23 @@ def test_static_code_reads_each_configs_kernel(tmp_path):
         static_code.parse(["--block-v", "wide"])
 
 
+def test_static_code_conv_tails(tmp_path):
+    """static_code's conv update: without the line's tail the kernel stores exactly the rows past the new
+    window fewer (K-1+k_max line rows, K-2+T of them the window) and loads fewer."""
+    from benchmarks import static_code
+
+    out = tmp_path / "static_code_conv.json"
+    assert static_code.main(["--smoke", "--kernels", "conv_verify", "--tails", "copy,skip", "--out", str(out)]) == 0
+    rows = {(r["T"], r["form"]): r["ir_ops"] for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(T, f"tail {t}") for T in (2, 4) for t in ("copy", "skip")}
+    for T in (2, 4):
+        copy, skip = rows[(T, "tail copy")], rows[(T, "tail skip")]
+        tail_rows = (static_code.CONV_K - 1 + static_code.KMAX) - (static_code.CONV_K - 2 + T)
+        assert copy["tt.store"] - skip["tt.store"] == tail_rows and skip["tt.load"] < copy["tt.load"], (copy, skip)
+    with pytest.raises(SystemExit, match="--tails: unknown tail 'drop'; valid: copy, skip"):
+        static_code.parse(["--tails", "drop"])
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_verify_error_catches_a_wrong_kernel(monkeypatch, mixed):
     """The sweep's verify check measures the kernel it times: right, the error is float32's; a kernel
