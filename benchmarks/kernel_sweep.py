@@ -493,8 +493,10 @@ def run_shape(kernel: str, name: str, layout, B: int, T: int, context, args, res
     elif kernel in ("conv_prefill", "conv_verify"):
         mode = kernel.removeprefix("conv_")
         # verify: windows read at offsets up to k = T - 1 (a round's accepted count); the window read, the
-        # tokens in and out and the new window (K - 2 + T rows) written; prefill: a window read and written
-        state, per, fixed, verify_bytes, _ = kernels._conv_inputs(rng, layout, B, T, T - 1, args.reps)
+        # tokens in and out and the new window (K - 2 + T rows) written; prefill: a window read at offset 0
+        # and written
+        k = T - 1 if mode == "verify" else 0
+        state, per, fixed, verify_bytes, _ = kernels._conv_inputs(rng, layout, B, T, k, args.reps)
         C = per[0]["x"].shape[-1]
         nbytes = verify_bytes if mode == "verify" else {"floor": B * (2 * T + 2 * (kernels.CONV_K - 1)) * C * 2}
         configs, default = _conv_configs(args)
