@@ -36,11 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.kernels import GDN_LAYOUTS, SMOKE_GDN  # noqa: E402
+from benchmarks.kernels import CONV_K, GDN_LAYOUTS, KMAX, SMOKE_GDN  # noqa: E402
 
 KERNELS = ("gdn_verify", "gdn_verify_mixed", "conv_verify")
 TAILS = ("copy", "skip")
-CONV_K, KMAX = 4, 15  # the conv's taps and the draft length the lines hold (the engine's default k_max)
 SMOKE = dict(layouts="demo", batches="2", ks="1,3", forms="sequential,chunk")
 POOL_SLOTS = 33
 SASS_LINE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")

@@ -15,9 +15,9 @@ writes the new window to the line lines[write_row] (no other program reads the w
 and with `tail` (the default) the rest of the read line after it, as the reference does. Without it
 the rows past the new window keep what the written line held: no step reads them (the next step's
 window starts at offset num_accepted - 1 <= T - 1 after a verify, at 0 after a prefill, so it ends
-inside the rows just written), and
-where the line is rewritten in place (the target engine: write_row = read_row) they already hold the
-read line's rows, so only the copy's loads and stores go (not yet timed on a GPU: docs/benchmarks.md).
+inside the rows just written), and where the line is rewritten in place (the target engine:
+write_row = read_row) they already hold the read line's rows, so only the copy's loads and stores
+go (not yet timed on a GPU: docs/benchmarks.md).
 Every row of the read line that is needed is loaded before the first store (write_row may equal
 read_row), and the lines are updated in place through `input_output_aliases`.
 """
